@@ -1,0 +1,61 @@
+"""Hydra entry point: `python scripts/train.py [group=option ...] [key=value ...]`, or `-m` to sweep.
+
+Composes the config once, checks it, creates demo data and the MLflow run, then launches the
+workers (see goodput.launch). Relaunching the same command resumes from the newest commit.
+"""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+# scripts/goodput.py shares the package's name; keep this folder off the import path.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from goodput.config import ConfigError  # noqa: E402
+from goodput.launch import launch  # noqa: E402
+from goodput.train import AlreadyDone, prepare  # noqa: E402
+
+log = logging.getLogger("goodput")
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="train")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    suffix = None
+    if hc.mode == RunMode.MULTIRUN:
+        suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
+    try:
+        c = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
+    except AlreadyDone as e:
+        log.info("%s", e)
+        return
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+        log.error("%s", e)
+        sys.exit(2)
+    summary = launch(c)
+    if summary is not None:
+        log.info(
+            "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
+            summary["steps"],
+            summary["final_loss"],
+            summary["val_accuracy"],
+            100 * summary["goodput"]["goodput"],
+        )
+        log.info("summary: %s", os.path.join(c["run_dir"], "summary.json"))
+        log.info(
+            "MLflow: %s (run %s) - open it with `make mlflow-ui`",
+            c["mlflow"]["tracking_uri"],
+            c["mlflow_run_id"],
+        )
+
+
+if __name__ == "__main__":
+    main()

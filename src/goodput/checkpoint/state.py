@@ -1,0 +1,156 @@
+"""What a checkpoint holds, as one state dict of tensors only.
+
+Layout (FQNs after DCP flattening):
+    model.*            model weights (sharded under FSDP for DCP; full for torch_save)
+    optim.*            optimizer state, FQN-keyed (resharding-safe)
+    extra.<name>       global Stateful parts (data position, scheduler, ledger, ...): JSON in a uint8 tensor
+    rank<r>.<name>     per-rank Stateful parts (RNG states): rank-indexed, because DCP de-duplicates
+                       equal keys across ranks and would hand rank 0's value to every rank.
+
+Everything is a tensor on purpose: DCP stores non-tensors as pickled BYTE_IO and loads them with
+`torch.load(weights_only=False)`; with tensors only, loading never unpickles code.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+def encode(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def decode(t: torch.Tensor):
+    return json.loads(bytes(t.to(torch.uint8).cpu().numpy().tobytes()).decode())
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+class RNGState:
+    """torch / CUDA / numpy / python RNG states of this rank. Missing on a new rank: derived."""
+
+    def __init__(self, seed: int, rank: int):
+        self.seed, self.rank = seed, rank
+
+    def state_dict(self) -> dict:
+        np_state = np.random.get_state()
+        sd = {
+            "torch": _b64(torch.get_rng_state()),
+            "numpy": [
+                np_state[0],
+                np_state[1].tolist(),
+                int(np_state[2]),
+                int(np_state[3]),
+                float(np_state[4]),
+            ],
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        }
+        if torch.cuda.is_available():
+            sd["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.set_rng_state(_unb64(sd["torch"]))
+        n = sd["numpy"]
+        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+        p = sd["python"]
+        random.setstate((p[0], tuple(p[1]), p[2]))
+        if "cuda" in sd and torch.cuda.is_available():
+            states = [_unb64(s) for s in sd["cuda"]]
+            if len(states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(states)
+
+    def derive(self, step: int) -> None:
+        """A rank the checkpoint did not have: seed deterministically from (seed, rank, step)."""
+        s = hash((self.seed, self.rank, step)) & 0xFFFFFFFF  # ints hash stably in CPython
+        torch.manual_seed(s)
+        np.random.seed(s)
+        random.seed(s)
+        log.info(
+            "rank %d has no saved RNG state (checkpoint had fewer ranks): derived from seed %d", self.rank, s
+        )
+
+
+class StatefulDict:
+    """Adapts an object with state_dict/load_state_dict whose state is JSON-friendly (LR scheduler)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.obj.load_state_dict(sd)
+
+
+class AppState:
+    """The registry a checkpoint saves and restores: model, optimizer, and named Stateful parts."""
+
+    def __init__(self, model, optimizer, rank: int):
+        self.model, self.optimizer, self.rank = model, optimizer, rank
+        self.parts: dict[str, Stateful] = {}  # global: identical on every rank
+        self.rank_parts: dict[str, Stateful] = {}  # per rank
+
+    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+        (self.rank_parts if per_rank else self.parts)[name] = part
+
+    def state_dict(self, options: StateDictOptions) -> dict:
+        msd, osd = get_state_dict(self.model, self.optimizer, options=options)
+        return {
+            "model": msd,
+            "optim": osd,
+            "extra": {k: encode(p.state_dict()) for k, p in self.parts.items()},
+            f"rank{self.rank}": {k: encode(p.state_dict()) for k, p in self.rank_parts.items()},
+        }
+
+    def template(self, options: StateDictOptions, saved_world: int) -> dict:
+        """What to load into: live model/optim tensors; None where sizes come from the checkpoint."""
+        msd, osd = get_state_dict(self.model, self.optimizer, options=options)
+        sd = {"model": msd, "optim": osd, "extra": dict.fromkeys(self.parts)}
+        if self.rank < saved_world:
+            sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
+        return sd
+
+    def apply(self, sd: dict, options: StateDictOptions, step: int) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=options,
+        )
+        for k, p in self.parts.items():
+            p.load_state_dict(decode(sd["extra"][k]))
+        mine = sd.get(f"rank{self.rank}")
+        for k, p in self.rank_parts.items():
+            if mine is not None:
+                p.load_state_dict(decode(mine[k]))
+            elif hasattr(p, "derive"):
+                p.derive(step)

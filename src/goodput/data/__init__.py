@@ -1,0 +1,1 @@
+"""Data: sources (remote / cached), the pure-function sample order, the resumable loader."""

@@ -1,0 +1,141 @@
+"""ImageFolder on any fsspec root, decoded with torchvision, augmented with per-sample seeds."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from goodput.data.sampler import sample_seed
+from goodput.storage import Storage
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+
+class BadSampleError(RuntimeError):
+    """A file that cannot be read or decoded as an image; the message names it."""
+
+
+class DataRootError(FileNotFoundError):
+    """The dataset root, a split or a class folder is missing or empty."""
+
+
+class FileList:
+    """The sorted (path, label) listing of one split: `<root>/<split>/<class>/<file>`."""
+
+    def __init__(self, storage: Storage, split: str):
+        try:
+            found = storage.find(split)
+        except FileNotFoundError:
+            found = {}
+        if not found:
+            raise DataRootError(
+                f"no files under {storage.url(split)}: the dataset root must hold "
+                f"'{split}/<class>/<image>' (ImageFolder layout)"
+            )
+        by_class: dict[str, list[str]] = {}
+        for rel in sorted(found):
+            parts = rel.split("/")
+            if len(parts) != 2:
+                continue  # files at the split level or nested deeper are not ImageFolder samples
+            by_class.setdefault(parts[0], []).append(rel)
+        # A class folder holding no images is a broken dataset, not a class with zero samples.
+        classes_on_disk = {r.split("/")[0] for r in found if "/" in r}
+        self.classes = sorted(classes_on_disk)
+        if not self.classes:
+            raise DataRootError(f"no class folders under {storage.url(split)}")
+        self.files: list[str] = []
+        self.labels: list[int] = []
+        for label, cls in enumerate(self.classes):
+            imgs = [r for r in by_class.get(cls, []) if r.lower().endswith(IMAGE_EXTENSIONS)]
+            others = [r for r in by_class.get(cls, []) if not r.lower().endswith(IMAGE_EXTENSIONS)]
+            if others:
+                log.warning("ignoring %d non-image file(s) in %s, e.g. %s", len(others), cls, others[0])
+            if not imgs:
+                raise DataRootError(f"class folder {storage.url(split + '/' + cls)} holds no images")
+            self.files += [f"{split}/{r}" for r in imgs]
+            self.labels += [label] * len(imgs)
+        self.sizes = [found[r.split("/", 1)[1]] for r in self.files]
+        self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def train_transform(size: int) -> v2.Compose:
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(MEAN, STD),
+        ]
+    )
+
+
+def eval_transform(size: int) -> v2.Compose:
+    return v2.Compose(
+        [
+            v2.Resize(size, antialias=True),
+            v2.CenterCrop(size),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(MEAN, STD),
+        ]
+    )
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """Map-style dataset keyed by (epoch, index) for training, index for eval.
+
+    Returns a dict with the image, the label and per-sample I/O counters (cache hit, bytes
+    fetched, ok) so the training process can count what was *delivered*, across workers.
+    Index -1 is padding (equal batch counts per rank): a zero image with label -1, ignored by the loss.
+    """
+
+    def __init__(self, source, files: FileList, image_size: int, seed: int, train: bool, on_bad_sample: str):
+        self.source, self.files, self.seed, self.train = source, files, seed, train
+        self.image_size, self.on_bad_sample = image_size, on_bad_sample
+        self.transform = train_transform(image_size) if train else eval_transform(image_size)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _blank(self, hit=0, nbytes=0, ok=0) -> dict:
+        img = torch.zeros(3, self.image_size, self.image_size)
+        return {"image": img, "label": -1, "hit": hit, "bytes": nbytes, "ok": ok}
+
+    def __getitem__(self, key) -> dict:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        if index < 0:
+            return self._blank(ok=1)
+        rel = self.files.files[index]
+        try:
+            data, hit, nbytes = self.source.read(rel)
+        except FileNotFoundError as e:
+            raise BadSampleError(f"cannot read {self.source.storage.url(rel)}: {e}") from e
+        try:
+            img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except Exception as e:
+            if self.on_bad_sample == "skip":
+                return self._blank(hit=int(hit), nbytes=nbytes, ok=0)
+            raise BadSampleError(
+                f"cannot decode {self.source.storage.url(rel)} as an image ({e}); fix or remove the file, "
+                f"or set data.on_bad_sample=skip"
+            ) from e
+        if self.train:
+            # torchvision v2 transforms draw from the global torch RNG and take no generator:
+            # fork it and seed from (seed, epoch, index), so the augmented tensor does not depend on
+            # which worker loads the sample, how many there are, or where a run resumed.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed(self.seed, epoch, index))
+                x = self.transform(img)
+        else:
+            x = self.transform(img)
+        return {"image": x, "label": self.files.labels[index], "hit": int(hit), "bytes": nbytes, "ok": 1}

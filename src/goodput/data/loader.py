@@ -1,0 +1,193 @@
+"""The training data pipeline: sampler + dataset + DataLoader, resumable at any delivered step.
+
+`ResumableLoader` is the one object the loop talks to: `next(loader)` gives the batch of the next
+step; `state_dict()` describes what was *delivered* (not what workers prefetched), so a checkpoint
+taken after step k resumes at step k+1 exactly, with any `data.num_workers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from goodput.data.dataset import FileList, ImageDataset
+from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
+from goodput.data.sources import SOURCES
+from goodput.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class DatasetChangedError(RuntimeError):
+    pass
+
+
+@dataclass
+class DataConfig:
+    backend: str
+    root: str
+    cache_dir: str
+    image_size: int
+    num_workers: int
+    prefetch_factor: int
+    prefetch_steps: int
+    prefetch_threads: int
+    cache_limit: int | None
+    on_bad_sample: str
+
+
+def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
+    """DataLoader defaults for remote data: workers kept alive across epochs (re-forking them
+    costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA."""
+    kw: dict = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
+    if num_workers > 0:
+        kw.update(prefetch_factor=prefetch_factor, persistent_workers=True)
+    return kw
+
+
+class ResumableLoader:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        storage: Storage,
+        seed: int,
+        global_batch_size: int,
+        max_steps: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+    ):
+        self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
+        self.source = SOURCES[cfg.backend](
+            storage,
+            cache_dir=cfg.cache_dir,
+            prefetch_threads=cfg.prefetch_threads,
+            cache_limit=cfg.cache_limit,
+        )
+        self.files = FileList(storage, "train")
+        self.order = GlobalOrder(len(self.files), global_batch_size, seed)
+        self.dataset = ImageDataset(self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample)
+        self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
+        self.seed = seed
+        self.step = 0  # next step to deliver
+        self.chain = OrderHash()
+        self._it = None
+        self.io = {
+            "data/cache_hits": 0,
+            "data/cache_misses": 0,
+            "data/bytes_fetched": 0,
+            "data/bad_samples": 0,
+        }
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.files.classes)
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch_of(self.step)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        sampler = StepBatchSampler(self.order, self.rank, self.world, self.step, self.max_steps)
+        dl = DataLoader(self.dataset, batch_sampler=sampler, **self.loader_kwargs)
+        self._it = iter(dl)
+        self._prefetched_until = self.step
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        # Tell the source which files this rank needs in the next `prefetch_steps` steps, and which
+        # files any rank on the node may still read (never evicted). Pure functions of the order.
+        horizon = min(self.step + self.cfg.prefetch_steps, self.max_steps)
+        files = self.files.files
+        want = []
+        for s in range(max(self._prefetched_until, self.step), horizon):
+            want += [files[i] for i in self.order.rank_batch(s, self.rank, self.world)]
+        self._prefetched_until = max(self._prefetched_until, horizon)
+        protect = {
+            files[i]
+            for s in range(max(0, self.step - 1), horizon)
+            for i in self.order.global_batch(s).tolist()
+        }
+        self.source.prefetch(want, protect)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.step >= self.max_steps:
+            raise StopIteration
+        if self._it is None:
+            self._start()
+        batch = next(self._it)
+        # Count what was delivered: this step is consumed only now.
+        self.chain.update(self.order.global_batch(self.step))
+        self.io["data/cache_hits"] += int(batch["hit"].sum())
+        self.io["data/cache_misses"] += int((1 - batch["hit"]).sum())
+        self.io["data/bytes_fetched"] += int(batch["bytes"].sum())
+        self.io["data/bad_samples"] += int((1 - batch["ok"]).sum())
+        self.step += 1
+        self._prefetch()
+        return batch
+
+    def stats(self) -> dict[str, float]:
+        return {**self.io, **self.source.stats()}
+
+    def close(self) -> None:
+        self._it = None  # drops persistent workers
+        self.source.close()
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "epoch": self.epoch,
+            "position": (self.step % self.order.steps_per_epoch) * self.order.global_batch_size,
+            "num_samples": self.order.num_samples,
+            "fingerprint": self.files.fingerprint,
+            "global_batch_size": self.order.global_batch_size,
+            "sample_order_sha256": self.chain.hexdigest,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["num_samples"] != self.order.num_samples:
+            raise DatasetChangedError(
+                f"the dataset at {self.cfg.root} changed since the checkpoint: it had "
+                f"{sd['num_samples']} training files, now {self.order.num_samples}. Resuming would "
+                f"silently train on a different order; restore the data or start a new run (run.resume=none)."
+            )
+        if sd["fingerprint"] != self.files.fingerprint:
+            log.warning(
+                "dataset file list differs from the checkpoint's (same count): order continues by index"
+            )
+        if sd["global_batch_size"] != self.order.global_batch_size or sd["seed"] != self.seed:
+            raise ValueError(
+                f"checkpoint used seed={sd['seed']} global_batch_size={sd['global_batch_size']}, this run "
+                f"seed={self.seed} global_batch_size={self.order.global_batch_size}: "
+                f"the sample order would differ"
+            )
+        self.step = sd["step"]
+        self.chain = OrderHash(sd["sample_order_sha256"])
+        self._it = None
+
+
+def eval_loader(
+    cfg: DataConfig, storage: Storage, batch_size: int, rank: int, world: int, device
+) -> DataLoader:
+    """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
+    source = SOURCES[cfg.backend](
+        storage, cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit
+    )
+    files = FileList(storage, "val")
+    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample)
+    per_rank = -(-len(files) // world)
+    idx = list(range(rank, len(files), world))
+    idx += [-1] * (per_rank - len(idx))
+    bs = max(1, batch_size)
+    batches = [idx[i : i + bs] for i in range(0, len(idx), bs)]
+    kw = make_loader_kwargs(min(cfg.num_workers, 2), cfg.prefetch_factor, device)
+    return DataLoader(ds, batch_sampler=batches, **kw)

@@ -1,0 +1,193 @@
+"""Where sample bytes come from: `remote` (every read hits the remote) or `cached` (node-local cache).
+
+A source is what `data.backend` selects: one class per option, same three methods, so the
+dataset and the loop never ask which one they have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from goodput.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class RemoteSource:
+    """The baseline: every access reads the file from the remote (latency and bandwidth paid each time)."""
+
+    def __init__(self, storage: Storage, **_):
+        self.storage = storage
+
+    def read(self, rel: str) -> tuple[bytes, bool, int]:
+        """Returns (bytes, cache_hit, bytes_fetched_from_remote)."""
+        data = self.storage.read_bytes(rel)
+        return data, False, len(data)
+
+    def prefetch(self, rels: list[str], protect: set[str]) -> None:
+        pass  # nothing to prepare: the baseline waits for every file
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class CachedSource:
+    """Node-local cache in front of the remote, with sampler-aware prefetch and an LRU byte budget.
+
+    - A fill is temp file + rename, so a crash never leaves a partial file that is later served.
+    - One cache per node: its path depends only on `cache_dir` and the remote root, so every rank
+      and worker on the node shares it, and it survives restarts.
+    - `prefetch()` is called from the training process with the files of the next steps; a bounded
+      thread pool downloads them while the accelerator computes.
+    - With `cache_limit` (bytes), the least recently used files are evicted, never one in `protect`
+      (the look-ahead window of every rank). Races with other processes cost a re-download, never
+      wrong bytes: a reader that finds no file fetches it again.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        cache_dir: str,
+        prefetch_threads: int = 8,
+        cache_limit: int | None = None,
+        **_,
+    ):
+        self.storage = storage
+        ns = hashlib.sha1(storage.root.encode()).hexdigest()[:12]
+        self.dir = os.path.join(os.path.abspath(cache_dir), ns)
+        self.prefetch_threads = prefetch_threads
+        self.cache_limit = cache_limit
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: set[str] = set()
+        self._lock = threading.Lock()
+        self._prefetched_bytes = 0
+        self._prefetched_files = 0
+        self._evicted = 0
+        self._last_scan = 0.0
+        self._approx_bytes = None
+
+    def __getstate__(self):  # workers get config only; the pool lives in the training process
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pool", "_lock", "_inflight")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._pool, self._lock, self._inflight = None, threading.Lock(), set()
+
+    def local_path(self, rel: str) -> str:
+        return os.path.join(self.dir, rel)
+
+    def _fill(self, rel: str) -> tuple[bytes, int]:
+        """Download rel into the cache atomically; returns (bytes, size)."""
+        data = self.storage.read_bytes(rel)
+        dst = self.local_path(rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".fill-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dst)  # atomic: readers see nothing or the whole file
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return data, len(data)
+
+    def read(self, rel: str) -> tuple[bytes, bool, int]:
+        path = self.local_path(rel)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)  # LRU clock for eviction
+            return data, True, 0
+        except FileNotFoundError:
+            data, size = self._fill(rel)
+            return data, False, size
+
+    def prefetch(self, rels: list[str], protect: set[str]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.prefetch_threads, thread_name_prefix="prefetch")
+        for rel in rels:
+            with self._lock:
+                if rel in self._inflight:
+                    continue
+                self._inflight.add(rel)
+            self._pool.submit(self._prefetch_one, rel)
+        if self.cache_limit:
+            self._maybe_evict(protect)
+
+    def _prefetch_one(self, rel: str) -> None:
+        try:
+            if not os.path.exists(self.local_path(rel)):
+                _, size = self._fill(rel)
+                with self._lock:
+                    self._prefetched_bytes += size
+                    self._prefetched_files += 1
+                    if self._approx_bytes is not None:
+                        self._approx_bytes += size
+        except Exception as e:  # the reader will fetch it again and raise with the file's name
+            log.debug("prefetch of %s failed: %s", rel, e)
+        finally:
+            with self._lock:
+                self._inflight.discard(rel)
+
+    def _maybe_evict(self, protect: set[str]) -> None:
+        # A full scan costs one stat per cached file: do it when our estimate says we are over
+        # budget, or every few seconds (other ranks and workers fill the cache too).
+        now = time.monotonic()
+        if (
+            self._approx_bytes is not None
+            and self._approx_bytes <= self.cache_limit
+            and now - self._last_scan < 5
+        ):
+            return
+        self._last_scan = now
+        entries = []
+        for root, _, names in os.walk(self.dir):
+            for n in names:
+                if n.startswith((".fill-", ".part-")):
+                    continue
+                p = os.path.join(root, n)
+                try:
+                    st = os.stat(p)
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, p))
+        total = sum(e[1] for e in entries)
+        if total > self.cache_limit:
+            target = 0.9 * self.cache_limit
+            for _, size, p in sorted(entries):
+                if total <= target:
+                    break
+                if os.path.relpath(p, self.dir) in protect:
+                    continue
+                try:
+                    os.unlink(p)
+                    total -= size
+                    self._evicted += 1
+                except FileNotFoundError:
+                    pass
+        self._approx_bytes = total
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "data/prefetched_files": self._prefetched_files,
+            "data/prefetched_bytes": self._prefetched_bytes,
+            "data/evicted_files": self._evicted,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+SOURCES = {"remote": RemoteSource, "cached": CachedSource}

@@ -1,0 +1,96 @@
+"""A learnable, procedurally generated image-classification dataset written as JPEG ImageFolder.
+
+Each class is a shape (disc, square, triangle, ...) drawn at a random position, size and colour over a
+noisy background, so a small CNN learns it in a few hundred steps but not instantly. Deterministic from
+the seed: image i of split s comes from numpy's PCG64 seeded with (seed, s, i).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SHAPES = ["disc", "square", "triangle", "cross", "hbars", "vbars", "ring", "diamond", "checker", "dots"]
+
+
+def _draw(shape: str, size: int, rng: np.random.Generator) -> Image.Image:
+    bg = rng.integers(0, 256, 3)
+    noise = rng.normal(0, 24, (size, size, 3))
+    arr = np.clip(bg[None, None, :] * 0.5 + 64 + noise, 0, 255).astype(np.uint8)
+    img = Image.fromarray(arr, "RGB")
+    d = ImageDraw.Draw(img)
+    color = tuple(int(c) for c in rng.integers(0, 256, 3))
+    r = int(size * rng.uniform(0.22, 0.38))
+    cx, cy = (int(v) for v in rng.integers(r, size - r, 2))
+    box = [cx - r, cy - r, cx + r, cy + r]
+    w = max(2, size // 12)
+    if shape == "disc":
+        d.ellipse(box, fill=color)
+    elif shape == "square":
+        d.rectangle(box, fill=color)
+    elif shape == "triangle":
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
+    elif shape == "cross":
+        d.rectangle([cx - w, cy - r, cx + w, cy + r], fill=color)
+        d.rectangle([cx - r, cy - w, cx + r, cy + w], fill=color)
+    elif shape == "hbars":
+        for y in range(cy - r, cy + r, 3 * w):
+            d.rectangle([cx - r, y, cx + r, y + w], fill=color)
+    elif shape == "vbars":
+        for x in range(cx - r, cx + r, 3 * w):
+            d.rectangle([x, cy - r, x + w, cy + r], fill=color)
+    elif shape == "ring":
+        d.ellipse(box, outline=color, width=w)
+    elif shape == "diamond":
+        d.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=color)
+    elif shape == "checker":
+        step = max(2, r // 2)
+        for i, x in enumerate(range(cx - r, cx + r, step)):
+            for j, y in enumerate(range(cy - r, cy + r, step)):
+                if (i + j) % 2 == 0:
+                    d.rectangle([x, y, x + step - 1, y + step - 1], fill=color)
+    elif shape == "dots":
+        for _ in range(6):
+            x, y = (int(v) for v in rng.integers(cx - r, cx + r, 2))
+            d.ellipse([x - w, y - w, x + w, y + w], fill=color)
+    return img
+
+
+def make_dataset(
+    root: str,
+    num_classes: int = 10,
+    train_per_class: int = 500,
+    val_per_class: int = 100,
+    image_size: int = 32,
+    seed: int = 0,
+    quality: int = 90,
+    threads: int = 4,
+) -> dict:
+    """Write `root/{train,val}/<class>/<i>.jpg`. Returns counts. Local paths only (it is a demo volume)."""
+    if not 1 <= num_classes <= len(SHAPES):
+        raise ValueError(f"num_classes must be in [1, {len(SHAPES)}], got {num_classes}")
+    if image_size < 8:
+        raise ValueError(f"image_size must be >= 8, got {image_size}")
+    jobs = []
+    for split_id, (split, n) in enumerate([("train", train_per_class), ("val", val_per_class)]):
+        for c in range(num_classes):
+            os.makedirs(os.path.join(root, split, SHAPES[c]), exist_ok=True)
+            jobs += [(split_id, split, c, i) for i in range(n)]
+
+    def write(job):
+        split_id, split, c, i = job
+        rng = np.random.default_rng([seed, split_id, c, i])
+        buf = io.BytesIO()
+        _draw(SHAPES[c], image_size, rng).save(buf, format="JPEG", quality=quality)
+        path = os.path.join(root, split, SHAPES[c], f"{i:06d}.jpg")
+        with open(path + ".tmp", "wb") as f:
+            f.write(buf.getvalue())
+        os.replace(path + ".tmp", path)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, jobs))
+    return {"train": num_classes * train_per_class, "val": num_classes * val_per_class, "root": root}

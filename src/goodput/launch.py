@@ -1,0 +1,50 @@
+"""Start the job's processes: in this process, or elastic workers through torch.distributed.
+
+- RANK/WORLD_SIZE already set (torchrun, a SLURM srun wrapper): this process is one rank; run it.
+- One process and no restarts wanted: run in this process.
+- Otherwise: torch.distributed's elastic agent (what torchrun uses) starts `nproc_per_node` workers
+  on this machine and restarts the whole group up to `max_restarts` times when one dies; each
+  restart resumes from the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+from goodput.train import worker
+
+
+def external_world() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(c: dict) -> dict | None:
+    par = c["parallel"]
+    if external_world() or (par["nproc_per_node"] == 1 and par["max_restarts"] == 0):
+        return worker(c)
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=par["nproc_per_node"],
+        run_id=f"goodput-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=par["rdzv_endpoint"] or f"127.0.0.1:{free_port()}",
+        max_restarts=par["max_restarts"],
+        monitor_interval=0.5,
+        start_method="spawn",  # workers start clean: no inherited threads, locks or CUDA state
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(c["run_dir"], "elastic")),
+    )
+    results = elastic_launch(lc, worker)(c)
+    return results.get(0)

@@ -1,0 +1,163 @@
+"""The training loop, top to bottom. It never asks which checkpoint, data or parallel backend it runs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (a preemption notice): finish the step, checkpoint, wait for the upload, exit 0."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. under some launchers): no handler
+                pass
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, world: int) -> bool:
+        t = torch.tensor([1 if self.received else 0])
+        if world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, world: int) -> float:
+    model.eval()
+    correct = torch.zeros(2, dtype=torch.float64)
+    for batch in loader:
+        x, y = batch["image"].to(device, non_blocking=True), batch["label"].to(device)
+        pred = model(x).argmax(1)
+        mask = y >= 0
+        correct += torch.tensor(
+            [(pred[mask] == y[mask]).sum().item(), mask.sum().item()], dtype=torch.float64
+        )
+    if world > 1:
+        dist.all_reduce(correct)
+    model.train()
+    return (correct[0] / correct[1].clamp(min=1)).item()
+
+
+def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
+    """Whole-job numbers: images/s over the slowest rank; fetch seconds max and mean across ranks."""
+    t = torch.tensor([step_s, fetch_s, fetch_s, float(images)], dtype=torch.float64)
+    if world > 1:
+        mx = t.clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t)
+        step_s, fetch_max, fetch_mean, images = mx[0].item(), mx[1].item(), t[2].item() / world, t[3].item()
+    else:
+        fetch_max = fetch_mean = fetch_s
+    return {
+        "perf/step_seconds": step_s,
+        "perf/fetch_seconds": fetch_max,
+        "perf/fetch_seconds_mean": fetch_mean,
+        "perf/images_per_second": images / step_s if step_s > 0 else 0.0,
+    }
+
+
+def train(t) -> dict:
+    """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.train.Trainer."""
+    cfg, d = t.cfg, t.dist
+    max_steps = cfg["trainer"]["max_steps"]
+    log_every = max(1, cfg["trainer"]["log_every_n_steps"])
+    eval_every = cfg["trainer"]["eval_every_n_steps"]
+    criterion = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    stop = StopSignal()
+    show = cfg["trainer"]["progress"]
+    show = sys.stderr.isatty() if show == "auto" else bool(show)
+    bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
+
+    step = t.loader.step
+    loss_val, val_acc = float("nan"), None
+    window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
+    t.model.train()
+    while step < max_steps:
+        t0 = time.perf_counter()
+        batch = next(t.loader)  # the accelerator idles for exactly this long
+        t1 = time.perf_counter()
+        x = batch["image"].to(d.device, non_blocking=True)
+        y = batch["label"].to(d.device, non_blocking=True)
+
+        loss = criterion(t.model(x), y)
+        t.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        t.ckpt.wait_for_staging()  # an async save's copy must finish before parameters change
+        t.optimizer.step()
+        t.scheduler.step()
+        step += 1
+        t2 = time.perf_counter()
+
+        t.ledger.add("fetch", t1 - t0)
+        t.ledger.add("productive", t2 - t1)
+        window["fetch"] += t1 - t0
+        window["step"] += t2 - t0
+        window["images"] += len(y)
+        window["n"] += 1
+        t.faults.at_step(step)
+
+        if step % log_every == 0 or step == max_steps:
+            loss_val = loss.item()
+            n = window["n"]
+            perf = reduce_perf(window["step"] / n, window["fetch"] / n, window["images"] // n, d.world)
+            t.tracker.log({"train/loss": loss_val, "train/lr": t.scheduler.get_last_lr()[0], **perf}, step)
+            t.tracker.log(t.loader.stats(), step)
+            bar.set_postfix(
+                loss=f"{loss_val:.3f}",
+                fetch=f"{perf['perf/fetch_seconds']:.3f}s",
+                img_s=f"{perf['perf/images_per_second']:.0f}",
+                refresh=False,
+            )
+            window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
+        bar.update(1)
+
+        if (eval_every and step % eval_every == 0) or step == max_steps:
+            te = time.perf_counter()
+            val_acc = evaluate(t.model, t.val_loader, d.device, d.world)
+            t.ledger.add("eval", time.perf_counter() - te)
+            t.tracker.log({"val/accuracy": val_acc}, step)
+
+        stopping = stop.agreed(d.world)
+        if t.ckpt.due(step) or step == max_steps or stopping:
+            blocking = t.ckpt.save(step, t.app)
+            t.ledger.add("checkpoint", blocking)
+            t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
+            t.attempts_beat(step)
+        for m in t.ckpt.drain_metrics():
+            t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
+        if stopping:
+            log.warning("received %s: checkpointed step %d, stopping", stop.received, step)
+            break
+
+    bar.close()
+    tw = time.perf_counter()
+    t.ckpt.wait()  # the last save must be committed before the process may exit
+    t.ledger.add("checkpoint", time.perf_counter() - tw)
+    for m in t.ckpt.drain_metrics():
+        t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
+    return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received}

@@ -1,0 +1,81 @@
+"""Process groups and model wrapping. One class per `parallel=` option; the loop sees a plain module.
+
+A run always has a process group, even with one process (a 1-rank gloo group on an in-memory
+store), so checkpointing and metrics use one code path for every world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from goodput.model import shard_units
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    ckpt_pg: object  # gloo group used only by checkpoint collectives (async saves run on it)
+
+
+def init_distributed(timeout_s: float = 600) -> Dist:
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        # NCCL for compute, gloo as the CPU side for checkpoint and object collectives.
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        rank, world, local_rank = 0, 1, 0
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    ckpt_pg = dist.new_group(backend="gloo")
+    return Dist(rank, world, local_rank, device, ckpt_pg)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Single:
+    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+        return model
+
+
+class DDP:
+    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+        ids = [d.local_rank] if d.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+class FSDP:
+    """FSDP2: fully_shard each block, then the root."""
+
+    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(d.device.type, (d.world,))
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+
+STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}

@@ -1,0 +1,261 @@
+"""One door to "remote" storage: fsspec underneath, plus emulation of what a network volume costs.
+
+Everything that lives on the remote side (the dataset, committed checkpoints, run markers) goes
+through a `Storage`. Node-local things (the cache, checkpoint staging) use plain `os` calls, so
+the emulated latency/bandwidth/errors land only where a real cluster would pay them.
+
+`root` may be a local path, a `file://` URL, or any fsspec URL (`s3://bucket/prefix`, `gs://...`,
+`memory://...`). Paths passed to methods are relative to `root`, always with `/`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+class StorageError(OSError):
+    """A remote operation failed for good (after retries)."""
+
+
+class InjectedFault(OSError):
+    """A transient error injected by `storage.error_rate` (stands in for a 503 / connection reset)."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    latency_ms: float = 0.0  # added to every remote operation
+    bandwidth_mb_s: float = 0.0  # per-stream cap on remote transfers; 0 = unlimited
+    error_rate: float = 0.0  # probability that a remote operation fails transiently
+    retries: int = 5  # attempts per operation before giving up
+    backoff_s: float = 0.05  # first backoff; doubles each retry, with full jitter
+
+    def __post_init__(self):
+        for name in ("latency_ms", "bandwidth_mb_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"storage.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.error_rate < 1.0:
+            raise ValueError(f"storage.error_rate must be in [0, 1), got {self.error_rate}")
+        if self.retries < 1:
+            raise ValueError(f"storage.retries must be >= 1, got {self.retries}")
+
+
+KNOWN_PROTOCOLS = set(fsspec.available_protocols())
+
+
+def check_url(url: str, what: str) -> None:
+    """Fail early (before any work) on an fsspec protocol this install cannot serve."""
+    if "://" in url:
+        proto = url.split("://", 1)[0]
+        if proto not in KNOWN_PROTOCOLS:
+            raise ValueError(f"{what}: unknown storage protocol '{proto}://' in {url!r}")
+        try:
+            fsspec.get_filesystem_class(proto)
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"{what}: protocol '{proto}://' needs an extra package: {e}") from e
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+class Storage:
+    """fsspec filesystem rooted at `root`, with latency/bandwidth/error emulation and retries."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, root: str, cfg: StorageConfig | None = None):
+        check_url(root, "storage root")
+        self.root = root.rstrip("/")
+        self.cfg = cfg or StorageConfig()
+        self.fs, self._base = url_to_fs(self.root)
+        self.local = is_local(self.root)
+        self._rng = random.Random()
+
+    # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
+    def __getstate__(self):
+        return {"root": self.root, "cfg": self.cfg}
+
+    def __setstate__(self, state):
+        self.__init__(state["root"], state["cfg"])
+
+    def __repr__(self):
+        return f"Storage({self.root!r}, latency_ms={self.cfg.latency_ms}, bw={self.cfg.bandwidth_mb_s})"
+
+    def url(self, rel: str = "") -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _path(self, rel: str) -> str:
+        return f"{self._base}/{rel}" if rel else self._base
+
+    # -- emulation ---------------------------------------------------------------------------
+    def _op(self) -> None:
+        if self.cfg.latency_ms:
+            time.sleep(self.cfg.latency_ms / 1000.0)
+        if self.cfg.error_rate and self._rng.random() < self.cfg.error_rate:
+            raise InjectedFault("injected transient storage error (storage.error_rate)")
+
+    def _transfer(self, nbytes: int) -> None:
+        if self.cfg.bandwidth_mb_s:
+            time.sleep(nbytes / (self.cfg.bandwidth_mb_s * 1e6))
+
+    def _retry(self, what: str, fn, *args):
+        """Run fn with exponential backoff + full jitter on transient errors (OSError family)."""
+        delay = self.cfg.backoff_s
+        for attempt in range(self.cfg.retries):
+            try:
+                self._op()
+                return fn(*args)
+            except FileNotFoundError:
+                raise
+            except OSError as e:
+                if attempt == self.cfg.retries - 1:
+                    raise StorageError(f"{what}: failed after {self.cfg.retries} attempts: {e}") from e
+                time.sleep(self._rng.uniform(0, delay))
+                delay *= 2
+
+    # -- metadata ----------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self._retry(f"exists {self.url(rel)}", self.fs.exists, self._path(rel))
+
+    def ls(self, rel: str = "") -> dict[str, int]:
+        """Names (relative to `rel`) -> size in bytes, for the direct children of `rel`."""
+
+        def _ls():
+            if not self.fs.exists(self._path(rel)):
+                return {}
+            out = {}
+            for info in self.fs.ls(self._path(rel), detail=True):
+                name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+                out[name] = -1 if info["type"] == "directory" else int(info.get("size") or 0)
+            return out
+
+        return self._retry(f"ls {self.url(rel)}", _ls)
+
+    def find(self, rel: str = "") -> dict[str, int]:
+        """All files under `rel`, recursively: relative path -> size. One listing operation."""
+
+        def _find():
+            base = self._path(rel).rstrip("/")
+            if not self.fs.exists(base):
+                return {}
+            found = self.fs.find(base, detail=True)
+            return {k[len(base) + 1 :]: int(v.get("size") or 0) for k, v in found.items()}
+
+        return self._retry(f"find {self.url(rel)}", _find)
+
+    def makedirs(self, rel: str) -> None:
+        if self.local:  # object stores have no directories
+            self._retry(f"mkdir {self.url(rel)}", self.fs.makedirs, self._path(rel), True)
+
+    def rm(self, rel: str, recursive: bool = False) -> None:
+        def _rm():
+            if self.fs.exists(self._path(rel)):
+                self.fs.rm(self._path(rel), recursive=recursive)
+
+        self._retry(f"rm {self.url(rel)}", _rm)
+
+    def mv(self, src: str, dst: str) -> None:
+        self._retry(f"move {self.url(src)}", self.fs.mv, self._path(src), self._path(dst), True)
+
+    # -- data --------------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        def _read():
+            data = self.fs.cat_file(self._path(rel))
+            self._transfer(len(data))
+            return data
+
+        return self._retry(f"read {self.url(rel)}", _read)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Atomic on both sides: local files go through temp + fsync + rename; objects are atomic."""
+
+        def _write():
+            self._transfer(len(data))
+            if self.local:
+                _atomic_write_local(self._path(rel), data)
+            else:
+                self.fs.pipe_file(self._path(rel), data)
+
+        self._retry(f"write {self.url(rel)}", _write)
+
+    def put(self, local_path: str, rel: str) -> int:
+        """Upload a local file; returns its size. Atomic as write_bytes."""
+        size = os.path.getsize(local_path)
+
+        def _put():
+            self._transfer(size)
+            if self.local:
+                dst = self._path(rel)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                tmp = f"{dst}.tmp{os.getpid()}.{threading.get_ident()}"
+                shutil.copyfile(local_path, tmp)
+                _fsync_file(tmp)
+                os.replace(tmp, dst)
+            else:
+                self.fs.put_file(local_path, self._path(rel))
+
+        self._retry(f"upload {local_path} -> {self.url(rel)}", _put)
+        return size
+
+    def get(self, rel: str, local_path: str) -> int:
+        """Download to local_path via a temp file + rename, so a crash never leaves a partial file."""
+        os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
+
+        def _get():
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local_path) or ".", prefix=".part-")
+            os.close(fd)
+            try:
+                self.fs.get_file(self._path(rel), tmp)
+                size = os.path.getsize(tmp)
+                self._transfer(size)
+                os.replace(tmp, local_path)
+                return size
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+        return self._retry(f"download {self.url(rel)}", _get)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_local(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Local file: temp + fsync + rename + fsync(dir)."""
+    _atomic_write_local(path, data)

@@ -1,0 +1,310 @@
+"""A run: config -> checks -> launch -> (per rank) build, restore, loop, summary.
+
+`prepare()` runs once in the Hydra job (validation, demo data, the MLflow run, "already done?"),
+then `goodput.launch` starts the workers, each of which runs `worker()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from goodput import loop
+from goodput.accounting import Attempts, Ledger
+from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState, StatefulDict
+from goodput.checkpoint.manager import config_hash
+from goodput.config import validate
+from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
+from goodput.data.synthetic import make_dataset
+from goodput.fault import Faults
+from goodput.model import model_sha256
+from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
+from goodput.storage import Storage, StorageConfig
+from goodput.tracking import Tracker, flatten, start_run
+
+log = logging.getLogger("goodput")
+
+
+class AlreadyDone(Exception):
+    pass
+
+
+def storage_config(c: dict) -> StorageConfig:
+    s = c["storage"]
+    return StorageConfig(
+        latency_ms=s["latency_ms"],
+        bandwidth_mb_s=s["bandwidth_mb_s"],
+        error_rate=s["error_rate"],
+        retries=s["retries"],
+    )
+
+
+# -- once per job, before workers --------------------------------------------------------------
+def prepare(
+    cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
+) -> dict:
+    """Resolve and check the config, create demo data, open the MLflow run. Returns a plain dict."""
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
+        cfg.paths.root = os.path.abspath(str(cfg.paths.root))  # async daemons and workers need absolute paths
+    if multirun_suffix:
+        cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"  # each sweep job gets its own checkpoints
+    c = OmegaConf.to_container(cfg, resolve=True)
+    c["run_dir"] = run_dir
+    c["job_start"] = time.time()  # wall time of this launch counts toward the goodput ledger
+    validate(c)
+
+    ensure_data(c)
+    ck = c["checkpoint"]
+    store = Storage(ck["dir"], storage_config(c))
+    mgr = CheckpointManager(_ckpt_config(c), store, BACKENDS[ck["backend"]](**ck), 0, 1, 0)
+    committed = mgr.committed()
+    resume = str(c["run"]["resume"])
+    if resume == "none" and (committed or store.ls("attempts")):
+        if not c["run"]["overwrite"]:
+            raise FileExistsError(
+                f"run '{c['run']['name']}' already has checkpoints in {store.url()}; use run.resume=auto to "
+                f"continue it, run.overwrite=true to discard them, or another run.name"
+            )
+        log.warning("run.overwrite=true: discarding %s", store.url())
+        store.rm("", recursive=True)
+        committed = []
+    if resume == "auto" and committed and committed[0]["step"] >= c["trainer"]["max_steps"]:
+        raise AlreadyDone(
+            f"run '{c['run']['name']}' already reached step {committed[0]['step']} "
+            f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
+            f"Checkpoint: {store.url(committed[0]['dir'])}"
+        )
+    previous_run_id = committed[0].get("mlflow_run_id") if committed and resume == "auto" else None
+    choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
+    params = flatten({k: v for k, v in c.items() if k != "run_dir"})
+    params.update({f"choice.{k}": str(v) for k, v in choices.items()})
+    c["mlflow_run_id"] = start_run(
+        c["mlflow"]["tracking_uri"], c["mlflow"]["experiment"], c["run"]["name"], params, previous_run_id
+    )
+    c["config_hash"] = config_hash({k: v for k, v in c.items() if k not in ("run_dir", "mlflow_run_id")})
+    return c
+
+
+def ensure_data(c: dict) -> None:
+    root = c["data"]["root"]
+    if c["data"]["root"] == c["paths"]["data_dir"] and not os.path.isdir(os.path.join(root, "train")):
+        ds = c["dataset"]
+        log.info("demo data not found: generating it at %s", root)
+        t0 = time.time()
+        n = make_dataset(
+            root, ds["num_classes"], ds["train_per_class"], ds["val_per_class"], ds["image_size"], ds["seed"]
+        )
+        log.info("wrote %d train / %d val JPEGs in %.1fs", n["train"], n["val"], time.time() - t0)
+        return
+    store = Storage(root, storage_config(c))
+    try:
+        present = store.exists("train")
+    except Exception as e:
+        raise FileNotFoundError(f"data.root {root} is unreachable: {e}") from e
+    if not present:
+        raise FileNotFoundError(
+            f"data.root {root} has no train/ folder. Point data.root at an ImageFolder dataset "
+            f"(train/<class>/*.jpg, val/<class>/*.jpg), or create demo data there with "
+            f"`python scripts/make_dataset.py --root {root}`"
+        )
+
+
+def _ckpt_config(c: dict) -> CheckpointConfig:
+    k = c["checkpoint"]
+    return CheckpointConfig(
+        backend=k["backend"],
+        dir=k["dir"],
+        staging_dir=k["staging_dir"],
+        every_n_steps=k["every_n_steps"],
+        every_n_minutes=k["every_n_minutes"],
+        keep_last=k["keep_last"],
+        async_type=k.get("async_type", "thread"),
+        on_error=k.get("on_error", "raise"),
+    )
+
+
+# -- per rank ----------------------------------------------------------------------------------
+class Trainer:
+    """Everything a rank trains with. Built twice only if a failed restore touched the state."""
+
+    def __init__(self, c: dict, d):
+        self.cfg, self.dist = c, d
+        seed = c["seed"]
+        torch.manual_seed(seed)  # same initial weights on every rank
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        dc = c["data"]
+        data_cfg = DataConfig(**{k: dc[k] for k in DataConfig.__dataclass_fields__})
+        data_store = Storage(dc["root"], storage_config(c))
+        tr = c["trainer"]
+        self.loader = ResumableLoader(
+            data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device
+        )
+        local_bs = tr["global_batch_size"] // d.world
+        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device)
+        if self.val_loader.dataset.files.classes != self.loader.files.classes:
+            raise ValueError(
+                f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
+            )
+
+        model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
+        self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
+        self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
+        sch = c["optim"]["schedule"]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, loop.lr_schedule(sch["warmup_steps"], tr["max_steps"], sch["min_lr_ratio"])
+        )
+        self.ledger = Ledger()
+        self.app = AppState(self.model, self.optimizer, d.rank)
+        self.app.register("data", self.loader)
+        self.app.register("scheduler", StatefulDict(self.scheduler))
+        self.app.register("ledger", self.ledger)
+        self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
+
+        ck = c["checkpoint"]
+        self.ckpt_store = Storage(ck["dir"], storage_config(c))
+        self.ckpt = CheckpointManager(
+            _ckpt_config(c),
+            self.ckpt_store,
+            BACKENDS[ck["backend"]](**ck),
+            d.rank,
+            d.world,
+            d.local_rank,
+            pg=d.ckpt_pg,
+            fault=None,
+            commit_info={
+                "config_hash": c["config_hash"],
+                "mlflow_run_id": c["mlflow_run_id"],
+                "run": c["run"]["name"],
+            },
+        )
+        f = c["fault"]
+        self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
+        self.ckpt.fault = self.faults
+        self.attempts = Attempts(self.ckpt_store)
+        self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+
+    def attempts_beat(self, step: int) -> None:
+        if self.dist.rank == 0:
+            self.attempts.beat(step)
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.loader.close()
+
+
+def _candidates(t: Trainer, c: dict) -> list[dict]:
+    """Rank 0 decides what to try; every rank gets the same list."""
+    resume = str(c["run"]["resume"])
+    out = [None]
+    if t.dist.rank == 0:
+        if resume == "auto":
+            t.ckpt.clean_incomplete()
+            out = [t.ckpt.committed()]
+        elif resume == "none":
+            out = [[]]
+        else:
+            # A step dir of this run's checkpoint.dir, given as a path or just its name (step-000000120).
+            rec = t.ckpt.read_commit(os.path.basename(resume.rstrip("/")))
+            if rec is None:
+                raise FileNotFoundError(
+                    f"run.resume={resume}: not a committed checkpoint in "
+                    f"checkpoint.dir={c['checkpoint']['dir']}"
+                )
+            out = [[rec]]
+    if t.dist.world > 1:
+        dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def worker(c: dict) -> dict | None:
+    """One rank of the job. Returns the summary on rank 0."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
+    torch.set_num_threads(c["trainer"]["num_threads"])
+    if c["trainer"]["deterministic"]:
+        torch.use_deterministic_algorithms(True)
+    # Start-up counts from the launch (imports, data listing, process groups, restore). After an
+    # elastic restart, from this worker's start: the gap since the crash is lost time.
+    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    t_start = c["job_start"] if first else time.time()
+    d = init_distributed()
+    if d.rank != 0:  # rank hygiene: warnings and errors only
+        logging.getLogger().setLevel(logging.WARNING)
+    t = None
+    try:
+        t = Trainer(c, d)
+        candidates = _candidates(t, c)
+        rec, skipped = t.ckpt.restore(t.app, candidates)
+        for s in skipped:
+            log.warning("could not load checkpoint %s; falling back to the previous one", s)
+        if str(c["run"]["resume"]) not in ("auto", "none") and rec is None:
+            raise RuntimeError(f"run.resume={c['run']['resume']} could not be loaded: {skipped}")
+        if skipped and rec is None:  # a failed load may have touched the state: rebuild it fresh
+            log.warning("no committed checkpoint could be loaded: starting from scratch")
+            t.close()
+            t = Trainer(c, d)
+        resumed = rec["step"] if rec else None
+        if rec:
+            t.ledger.resumed_from.append(rec["step"])
+            log.info("resumed from %s (step %d)", t.ckpt_store.url(rec["dir"]), rec["step"])
+        restarts = 0
+        if d.rank == 0:
+            restarts = t.attempts.begin(resumed)
+            if restarts:
+                t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
+        if rec is None:
+            t.ledger.run_start = t_start
+        t.ledger.add("startup", time.time() - t_start)
+        result = loop.train(t)
+        digest = model_sha256(t.model)
+        t.attempts_beat(result["steps"])
+        summary = None
+        if d.rank == 0:
+            goodput = t.ledger.report(restarts)
+            summary = {
+                **result,
+                "model_sha256": digest,
+                "sample_order_sha256": t.loader.chain.hexdigest,
+                "restarts": restarts,
+                "resumed_from_steps": t.ledger.resumed_from,
+                "goodput": goodput,
+                "mlflow_run_id": c["mlflow_run_id"],
+                "checkpoint_dir": t.ckpt_store.url(),
+                "last_committed_step": t.ckpt.last_committed_step,
+                "world_size": d.world,
+                "config": {k: c[k] for k in ("checkpoint", "data", "parallel")},
+            }
+            write_summary(c["run_dir"], summary)
+            t.tracker.log({f"goodput/{k}": v for k, v in goodput.items()}, result["steps"])
+            t.tracker.log({"summary/val_accuracy": result["val_accuracy"] or 0.0}, result["steps"])
+            t.tracker.artifact(os.path.join(c["run_dir"], "summary.json"))
+            hydra_dir = os.path.join(c["run_dir"], ".hydra")
+            if os.path.isdir(hydra_dir):
+                t.tracker.artifacts(hydra_dir, "hydra")
+        return summary
+    finally:
+        if t is not None:
+            t.close()
+            t.tracker.close()
+        shutdown_distributed()
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    tmp = os.path.join(run_dir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    shutil.move(tmp, os.path.join(run_dir, "summary.json"))
