@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -16,24 +18,44 @@ log = logging.getLogger(__name__)
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (a preemption notice): finish the step, checkpoint, wait for the upload, exit 0."""
+    """SIGTERM / SIGUSR1 (a preemption notice): finish the step, checkpoint, wait for the upload, exit 0.
 
-    def __init__(self):
+    The flag is acted on at the next step boundary, which all ranks must reach. If they do not
+    within `grace_s` (a peer died and this rank is stuck in a collective: the elastic agent sends
+    SIGTERM to the survivors in exactly that case), exit at once so the restart is not delayed.
+    """
+
+    def __init__(self, grace_s: float):
         self.received = None
+        self.grace_s = grace_s
+        self._timer = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
                 signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. under some launchers): no handler
+            except ValueError:  # not the main thread: leave the default handlers
                 pass
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
+        if self._timer is None:
+            self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+            self._timer.daemon = True
+            self._timer.start()
 
     def agreed(self, world: int) -> bool:
         t = torch.tensor([1 if self.received else 0])
         if world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item() and self._timer is not None:
+            self._timer.cancel()  # every rank reached the boundary: the checkpoint can take its time
         return bool(t.item())
+
+    def restore(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except ValueError:
+                pass
 
 
 def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -88,7 +110,7 @@ def train(t) -> dict:
     log_every = max(1, cfg["trainer"]["log_every_n_steps"])
     eval_every = cfg["trainer"]["eval_every_n_steps"]
     criterion = torch.nn.CrossEntropyLoss(ignore_index=-1)
-    stop = StopSignal()
+    stop = StopSignal(cfg["trainer"]["signal_grace_seconds"])
     show = cfg["trainer"]["progress"]
     show = sys.stderr.isatty() if show == "auto" else bool(show)
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
@@ -155,6 +177,7 @@ def train(t) -> dict:
             break
 
     bar.close()
+    stop.restore()
     tw = time.perf_counter()
     t.ckpt.wait()  # the last save must be committed before the process may exit
     t.ledger.add("checkpoint", time.perf_counter() - tw)

@@ -38,7 +38,7 @@ def init_distributed(timeout_s: float = 600) -> Dist:
             torch.cuda.set_device(local_rank)
         # NCCL for compute, gloo as the CPU side for checkpoint and object collectives.
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world)
     else:
         rank, world, local_rank = 0, 1, 0
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
@@ -46,6 +46,23 @@ def init_distributed(timeout_s: float = 600) -> Dist:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     ckpt_pg = dist.new_group(backend="gloo")
     return Dist(rank, world, local_rank, device, ckpt_pg)
+
+
+def _store(rank: int, world: int, timeout_s: float):
+    """The env:// store, with keys prefixed by the elastic restart count. The elastic agent keeps
+    one store for the whole job; without a prefix, workers of restart k read the addresses that the
+    dead workers of restart k-1 published there and hang connecting to them."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master=(rank == 0 and not agent_store),
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"goodput/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_distributed() -> None:
