@@ -1,0 +1,100 @@
+"""Shared helpers: run the real entry point on tiny configs in tmp dirs, read what it wrote."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = str(REPO / "scripts" / "train.py")
+
+
+def train_cmd(root, *overrides: str, experiment: str = "smoke") -> list[str]:
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra wants -m before the overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    return [sys.executable, TRAIN, *flags, f"experiment={experiment}", f"paths.root={root}", *rest]
+
+
+def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, experiment: str = "smoke"):
+    """Run scripts/train.py; returns (completed process, newest summary.json or None)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(
+        train_cmd(root, *overrides, experiment=experiment),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if expect_rc is not None and p.returncode != expect_rc:
+        raise AssertionError(
+            f"train.py exited {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout[-4000:]}\n"
+            f"--- stderr\n{p.stderr[-6000:]}"
+        )
+    return p, latest_summary(root)
+
+
+def latest_summary(root) -> dict | None:
+    files = sorted(glob.glob(f"{root}/runs/**/summary.json", recursive=True), key=os.path.getmtime)
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def smoke_reference(tmp_path_factory):
+    """Uninterrupted single-process smoke runs, one per checkpoint backend (shared by the drills)."""
+    cache = {}
+
+    def get(backend: str = "dcp_sync", *extra: str) -> dict:
+        key = (backend, extra)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"ref-{backend}")
+            _, s = run_train(root, f"checkpoint={backend}", *extra)
+            cache[key] = s
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A local S3-compatible endpoint (moto's server) on loopback."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    import fsspec.config
+
+    # fsspec reads FSSPEC_S3_* at import (for subprocesses); this process imported it already.
+    os.environ["FSSPEC_S3_ENDPOINT_URL"] = url
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = url
+    yield url
+    fsspec.config.conf.pop("s3", None)
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request):
+    import s3fs
+
+    name = "goodput-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    fs.mkdir(name)
+    s3fs.S3FileSystem.clear_instance_cache()
+    return name

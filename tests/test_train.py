@@ -1,0 +1,146 @@
+"""The real entry point on the smoke experiment: summary, determinism, MLflow, sweeps, resume rules."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from conftest import REPO, latest_summary, run_train
+from mlflow.tracking import MlflowClient
+
+SUMMARY_KEYS = {
+    "steps", "final_loss", "val_accuracy", "model_sha256", "sample_order_sha256",
+    "restarts", "resumed_from_steps", "goodput", "mlflow_run_id",
+}  # fmt: skip
+
+
+def test_smoke_run_writes_summary_and_mlflow(tmp_path):
+    p, s = run_train(tmp_path)
+    assert set(s) >= SUMMARY_KEYS
+    assert s["steps"] == 12 and s["restarts"] == 0 and s["resumed_from_steps"] == []
+    assert len(s["model_sha256"]) == 64 and len(s["sample_order_sha256"]) == 64
+    assert s["final_loss"] == s["final_loss"] and s["final_loss"] > 0  # not NaN
+    assert 0.0 <= s["val_accuracy"] <= 1.0
+    g = s["goodput"]
+    assert (
+        0 < g["goodput"] < 1 and g["productive_seconds"] > 0 and g["wall_seconds"] >= g["productive_seconds"]
+    )
+    assert "demo data not found: generating it" in p.stderr + p.stdout
+    assert "mlflow.db" in p.stderr + p.stdout  # says where the store is
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["trainer.max_steps"] == "12" and params["choice.checkpoint"] == "dcp_async"
+    assert params["choice.data"] == "cached" and params["choice.experiment"] == "smoke"
+    for key in ("train/loss", "train/lr", "perf/step_seconds", "perf/fetch_seconds", "perf/images_per_second",
+                "val/accuracy", "ckpt/blocking_seconds", "ckpt/total_seconds", "ckpt/bytes", "goodput/goodput",
+                "data/cache_hits", "data/cache_misses"):  # fmt: skip
+        assert key in run.data.metrics, key
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6  # every 2 steps
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "summary.json" in arts and "hydra" in arts
+
+
+def test_same_seed_same_result_other_seed_differs(tmp_path, smoke_reference):
+    a = smoke_reference("dcp_sync")
+    _, b = run_train(tmp_path / "b", "checkpoint=dcp_sync")
+    _, c = run_train(tmp_path / "c", "checkpoint=dcp_sync", "seed=7")
+    assert a["model_sha256"] == b["model_sha256"]
+    assert a["sample_order_sha256"] == b["sample_order_sha256"]
+    assert c["model_sha256"] != a["model_sha256"]
+    assert c["sample_order_sha256"] != a["sample_order_sha256"]
+
+
+def test_multirun_sweep_makes_two_runs(tmp_path):
+    p, _ = run_train(tmp_path, "-m", "seed=1,2")
+    summaries = glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)
+    assert len(summaries) == 2
+    ids = {json.load(open(f))["mlflow_run_id"] for f in summaries}
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("goodput").experiment_id])
+    assert {r.info.run_id for r in runs} == ids and len(ids) == 2
+    # each sweep job has its own checkpoints: the second job must not resume the first one's
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "smoke")) == ["seed=1", "seed=2"]
+
+
+def test_relaunch_of_finished_run_says_so_and_exits_0(tmp_path):
+    run_train(tmp_path)
+    p, _ = run_train(tmp_path)
+    assert "already reached step 12" in p.stderr + p.stdout
+
+
+def test_resume_none_refuses_to_overwrite_unless_asked(tmp_path):
+    run_train(tmp_path, "trainer.max_steps=4")
+    p, _ = run_train(tmp_path, "run.resume=none", expect_rc=2)
+    assert "already has checkpoints" in p.stderr + p.stdout and "run.overwrite=true" in p.stderr + p.stdout
+    _, s = run_train(tmp_path, "run.resume=none", "run.overwrite=true")
+    assert s["resumed_from_steps"] == [] and s["steps"] == 12
+
+
+def test_resume_from_explicit_path(tmp_path, smoke_reference):
+    run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=8", "checkpoint.keep_last=5")
+    ck = tmp_path / "checkpoints" / "smoke"
+    _, s = run_train(tmp_path, "checkpoint=dcp_sync", f"run.resume={ck}/step-000000004")
+    assert s["resumed_from_steps"] == [4]
+    assert s["model_sha256"] == smoke_reference("dcp_sync")["model_sha256"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_steps=-1", "trainer.max_steps must be > 0"),
+        ("trainer.global_batch_size=0", "trainer.global_batch_size must be > 0"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+        ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be > 0"),
+        ("data.root=/nonexistent/data", "/nonexistent/data has no train/ folder"),
+        ("data.root=nosuchproto://x/y", "unknown storage protocol 'nosuchproto://'"),
+        ("parallel=fsdp parallel.nproc_per_node=1", "parallel=fsdp needs more than one process"),
+        ("parallel=ddp trainer.global_batch_size=15", "not divisible by the world size 2"),
+        ("parallel=ddp parallel.nproc_per_node=64", "more processes than this machine can run"),
+    ],
+)
+def test_bad_config_fails_before_work(tmp_path, override, message):
+    p, s = run_train(tmp_path, *override.split(), expect_rc=2)
+    assert message in p.stderr + p.stdout
+    assert s is None and not (tmp_path / "checkpoints").exists()
+
+
+def test_unknown_option_is_hydras_error(tmp_path):
+    p, _ = run_train(tmp_path, "checkpoint=nope", expect_rc=1)
+    assert "Could not find 'checkpoint/nope'" in p.stderr and "torch_save" in p.stderr
+
+
+def test_make_dataset_script(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/make_dataset.py",
+            "--root",
+            str(tmp_path / "d"),
+            "--num-classes",
+            "3",
+            "--train-per-class",
+            "4",
+            "--val-per-class",
+            "2",
+            "--image-size",
+            "16",
+        ],  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "12 train" in out.stdout
+    assert (
+        len(glob.glob(f"{tmp_path}/d/train/*/*.jpg")) == 12
+        and len(glob.glob(f"{tmp_path}/d/val/*/*.jpg")) == 6
+    )
+    assert latest_summary(tmp_path) is None
