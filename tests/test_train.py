@@ -37,8 +37,8 @@ def test_smoke_run_writes_summary_and_mlflow(tmp_path):
     assert params["trainer.max_steps"] == "12" and params["choice.checkpoint"] == "dcp_async"
     assert params["choice.data"] == "cached" and params["choice.experiment"] == "smoke"
     for key in ("train/loss", "train/lr", "perf/step_seconds", "perf/fetch_seconds", "perf/images_per_second",
-                "val/accuracy", "ckpt/blocking_seconds", "ckpt/total_seconds", "ckpt/bytes", "goodput/goodput",
-                "data/cache_hits", "data/cache_misses"):  # fmt: skip
+                "val/accuracy", "ckpt/blocking_seconds", "ckpt/total_seconds", "ckpt/bytes",
+                "goodput/goodput", "data/cache_hits", "data/cache_misses"):  # fmt: skip
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6  # every 2 steps
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -59,7 +59,7 @@ def test_multirun_sweep_makes_two_runs(tmp_path):
     p, _ = run_train(tmp_path, "-m", "seed=1,2")
     summaries = glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)
     assert len(summaries) == 2
-    ids = {json.load(open(f))["mlflow_run_id"] for f in summaries}
+    ids = {json.loads(open(f).read())["mlflow_run_id"] for f in summaries}
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("goodput").experiment_id])
     assert {r.info.run_id for r in runs} == ids and len(ids) == 2

@@ -76,9 +76,20 @@ class Storage:
         check_url(root, "storage root")
         self.root = root.rstrip("/")
         self.cfg = cfg or StorageConfig()
-        self.fs, self._base = url_to_fs(self.root)
+        self._fs, self._base = url_to_fs(self.root)
+        self._pid = os.getpid()
         self.local = is_local(self.root)
         self._rng = random.Random()
+
+    @property
+    def fs(self):
+        # DataLoader workers are forked: clients such as s3fs's are not fork-safe, and fsspec's
+        # instance cache would hand the parent's back. Make a fresh one in each new process.
+        if os.getpid() != self._pid:
+            self._fs, self._base = url_to_fs(self.root, skip_instance_cache=True)
+            self._pid = os.getpid()
+            self._rng = random.Random()
+        return self._fs
 
     # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
     def __getstate__(self):

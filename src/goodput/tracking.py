@@ -39,12 +39,13 @@ def _retry(fn, *args, tries: int = 10, **kw):
             time.sleep(0.2 * (i + 1))
 
 
-def get_or_create_experiment(client: MlflowClient, name: str) -> str:
+def get_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
     exp = _retry(client.get_experiment_by_name, name)
     if exp is not None:
         return exp.experiment_id
     try:
-        return _retry(client.create_experiment, name)
+        # Without a location MLflow puts artifacts in ./mlruns of whatever the current directory is.
+        return _retry(client.create_experiment, name, artifact_location=artifact_location)
     except Exception:  # another job created it between our two calls
         exp = _retry(client.get_experiment_by_name, name)
         if exp is None:
@@ -52,7 +53,14 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
         return exp.experiment_id
 
 
-def start_run(uri: str, experiment: str, run_name: str, params: dict, run_id: str | None) -> str:
+def start_run(
+    uri: str,
+    experiment: str,
+    run_name: str,
+    params: dict,
+    run_id: str | None,
+    artifact_location: str | None = None,
+) -> str:
     """Create the job's run (or continue `run_id`). Called once, before any worker starts."""
     client = MlflowClient(uri)
     if run_id is not None:
@@ -62,7 +70,7 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict, run_id: st
             return run_id
         except Exception:
             log.warning("MLflow run %s from the checkpoint is not in %s: starting a new run", run_id, uri)
-    exp_id = get_or_create_experiment(client, experiment)
+    exp_id = get_or_create_experiment(client, experiment, artifact_location)
     run = _retry(client.create_run, exp_id, run_name=run_name)
     items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):

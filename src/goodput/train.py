@@ -92,7 +92,12 @@ def prepare(
     params = flatten({k: v for k, v in c.items() if k != "run_dir"})
     params.update({f"choice.{k}": str(v) for k, v in choices.items()})
     c["mlflow_run_id"] = start_run(
-        c["mlflow"]["tracking_uri"], c["mlflow"]["experiment"], c["run"]["name"], params, previous_run_id
+        c["mlflow"]["tracking_uri"],
+        c["mlflow"]["experiment"],
+        c["run"]["name"],
+        params,
+        previous_run_id,
+        c["mlflow"]["artifact_location"],
     )
     c["config_hash"] = config_hash({k: v for k, v in c.items() if k not in ("run_dir", "mlflow_run_id")})
     return c
