@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 from conftest import REPO, latest_summary, run_train
@@ -59,7 +60,7 @@ def test_multirun_sweep_makes_two_runs(tmp_path):
     p, _ = run_train(tmp_path, "-m", "seed=1,2")
     summaries = glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)
     assert len(summaries) == 2
-    ids = {json.loads(open(f).read())["mlflow_run_id"] for f in summaries}
+    ids = {json.loads(Path(f).read_text())["mlflow_run_id"] for f in summaries}
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("goodput").experiment_id])
     assert {r.info.run_id for r in runs} == ids and len(ids) == 2
