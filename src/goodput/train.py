@@ -65,14 +65,18 @@ def prepare(
     c["run_dir"] = run_dir
     c["job_start"] = time.time()  # wall time of this launch counts toward the goodput ledger
     validate(c)
+    # Under an external launcher (torchrun, srun) every rank runs this; only global rank 0 writes
+    # (demo data, overwrite, the MLflow run) and tells the others in worker().
+    leader = int(os.environ.get("RANK", "0")) == 0
 
-    ensure_data(c)
+    if leader:
+        ensure_data(c)
     ck = c["checkpoint"]
     store = Storage(ck["dir"], storage_config(c))
     mgr = CheckpointManager(_ckpt_config(c), store, BACKENDS[ck["backend"]](**ck), 0, 1, 0)
     committed = mgr.committed()
     resume = str(c["run"]["resume"])
-    if resume == "none" and (committed or store.ls("attempts")):
+    if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c["run"]["overwrite"]:
             raise FileExistsError(
                 f"run '{c['run']['name']}' already has checkpoints in {store.url()}; use run.resume=auto to "
@@ -89,8 +93,12 @@ def prepare(
         )
     previous_run_id = committed[0].get("mlflow_run_id") if committed and resume == "auto" else None
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
-    params = flatten({k: v for k, v in c.items() if k != "run_dir"})
+    params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})
     params.update({f"choice.{k}": str(v) for k, v in choices.items()})
+    c["config_hash"] = config_hash(params)
+    c["mlflow_run_id"] = None
+    if not leader:
+        return c
     c["mlflow_run_id"] = start_run(
         c["mlflow"]["tracking_uri"],
         c["mlflow"]["experiment"],
@@ -99,7 +107,6 @@ def prepare(
         previous_run_id,
         c["mlflow"]["artifact_location"],
     )
-    c["config_hash"] = config_hash({k: v for k, v in c.items() if k not in ("run_dir", "mlflow_run_id")})
     return c
 
 
@@ -246,6 +253,10 @@ def worker(c: dict) -> dict | None:
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     t_start = c["job_start"] if first else time.time()
     d = init_distributed()
+    if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
+        shared = [c["mlflow_run_id"], c["run_dir"]]
+        dist.broadcast_object_list(shared, src=0)
+        c = {**c, "mlflow_run_id": shared[0], "run_dir": shared[1]}
     if d.rank != 0:  # rank hygiene: warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
     t = None

@@ -88,11 +88,13 @@ class RNGState:
 
     def derive(self, step: int) -> None:
         """A rank the checkpoint did not have: seed deterministically from (seed, rank, step)."""
-        s = hash((self.seed, self.rank, step)) & 0xFFFFFFFF  # ints hash stably in CPython
+        from goodput.data.sampler import sample_seed
+
+        s = sample_seed(self.seed, -1 - self.rank, step) & 0xFFFFFFFF
         torch.manual_seed(s)
         np.random.seed(s)
         random.seed(s)
-        log.info(
+        log.warning(
             "rank %d has no saved RNG state (checkpoint had fewer ranks): derived from seed %d", self.rank, s
         )
 
