@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TRAIN, latest_summary, run_train
@@ -82,7 +83,7 @@ def test_two_node_rendezvous_on_one_machine(tmp_path, ddp_reference):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MLFLOW_TRACKING_URI")}
     run_dir = tmp_path / "runs" / "two-node"
     procs = []
-    for node in range(2):
+    for _node in range(2):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "goodput-test",
