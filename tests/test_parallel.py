@@ -105,9 +105,8 @@ def test_two_node_rendezvous_on_one_machine(tmp_path, ddp_reference):
 
 def test_multirun_sweep_over_parallel(tmp_path):
     run_train(tmp_path, "-m", "parallel=single,ddp", "checkpoint=dcp_async")
-    summaries = [
-        json.loads(open(f).read()) for f in glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)
-    ]
+    files = glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)
+    summaries = [json.loads(Path(f).read_text()) for f in files]
     assert sorted(s["world_size"] for s in summaries) == [1, 2]
     assert len({s["sample_order_sha256"] for s in summaries}) == 1  # same global order for any world size
     assert latest_summary(tmp_path) is None  # sweeps write under multirun/, not runs/
