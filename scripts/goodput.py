@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,65 @@ def _optimal(a: argparse.Namespace) -> Result:
     return r, text
 
 
+def _advise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run", help="an MLflow run id, or a run's checkpoint dir (its commits name the MLflow run)"
+    )
+    p.add_argument("--gpus", type=int, default=1024, help="the scale to plan for")
+    p.add_argument("--afr", type=float, default=0.01, help="annual failure rate per GPU")
+    default_uri = os.environ.get(
+        "MLFLOW_TRACKING_URI", f"sqlite:///{Path(__file__).resolve().parent.parent}/outputs/mlflow.db"
+    )
+    p.add_argument("--tracking-uri", default=default_uri)
+    _json_flag(p)
+
+
+def _run_id(run: str) -> str:
+    """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
+    if "://" in run or os.path.isdir(run):
+        from goodput.storage import Storage
+
+        store = Storage(run)
+        for name in sorted((n for n in store.ls() if n.startswith("step-")), reverse=True):
+            try:
+                return json.loads(store.read_bytes(f"{name}/COMMIT.json"))["mlflow_run_id"]
+            except (FileNotFoundError, ValueError, KeyError):
+                continue
+        raise calculator.InputError("run", f"no committed checkpoint with an MLflow run id in {run}")
+    return run
+
+
+def _advise(a: argparse.Namespace) -> Result:
+    """Plug a run's measured save stall and restart cost into Young/Daly at the scale asked for."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = _run_id(a.run)
+    client = MlflowClient(a.tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except Exception as e:
+        raise calculator.InputError("run", f"no MLflow run {run_id!r} in {a.tracking_uri} ({e})") from e
+    stalls = sorted(m.value for m in client.get_metric_history(run_id, "ckpt/blocking_seconds"))
+    if not stalls:
+        raise calculator.InputError("run", f"run {run_id} logged no ckpt/blocking_seconds")
+    stall = stalls[len(stalls) // 2]
+    m = run.data.metrics
+    attempts = 1 + int(m.get("goodput/restarts", 0))
+    restart_s = m.get("goodput/startup_seconds", 0.0) / attempts  # start-up + restore, per attempt
+    mtbf_h = calculator.mtbf_hours_from_afr(a.gpus, a.afr)
+    r = calculator.optimal_interval(stall, mtbf_h, restart_s / 60)
+    out = {
+        "run_id": run_id, "gpus": a.gpus, "afr": a.afr, "mtbf_hours": mtbf_h, "save_stall_seconds": stall,
+        "restart_seconds": restart_s, **r,
+    }  # fmt: skip
+    text = (
+        f"At {a.gpus} GPUs and {a.afr:.1%} AFR (a failure every {mtbf_h:.1f} h), with this run's measured "
+        f"save stall of {stall:.3f} s and restart cost of {restart_s:.1f} s: checkpoint every "
+        f"{r['interval_minutes']:.1f} minutes for {100 * r['goodput']:.2f} % goodput"
+    )
+    return out, text
+
+
 def _tables_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -90,6 +150,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "failure": ("probability of at least one GPU failure", _failure_args, _failure),
     "goodput": ("goodput for a checkpoint interval", _goodput_args, _goodput),
     "optimal-interval": ("Young/Daly checkpoint interval", _optimal_args, _optimal),
+    "advise": ("checkpoint interval for a measured run at a given scale", _advise_args, _advise),
     "tables": ("print the article's tables as markdown", _tables_args, _tables),
 }
 

@@ -12,6 +12,8 @@ is `lost_seconds`: steps redone after a crash, and the time between a crash and 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 
 from goodput.storage import Storage
@@ -40,7 +42,7 @@ class Ledger:
         self.totals = {c: float(sd["totals"].get(c, 0.0)) for c in CATEGORIES}
         self.resumed_from = list(sd["resumed_from"])
 
-    def report(self, restarts: int, now: float | None = None) -> dict:
+    def report(self, restarts: int, lost_steps: int = 0, now: float | None = None) -> dict:
         wall = (now or time.time()) - self.run_start
         accounted = sum(self.totals.values())
         out = {f"{c}_seconds": round(v, 4) for c, v in self.totals.items()}
@@ -49,8 +51,32 @@ class Ledger:
             lost_seconds=round(max(0.0, wall - accounted), 4),
             goodput=round(self.totals["productive"] / wall, 6) if wall > 0 else 0.0,
             restarts=restarts,
+            lost_steps=lost_steps,
         )
         return out
+
+
+def plot(report: dict, path: str) -> None:
+    """Stacked bar of where the wall time went (the MLflow artifact `goodput.png`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [(c, report[f"{c}_seconds"]) for c in CATEGORIES] + [("lost", report["lost_seconds"])]
+    colors = {"productive": "#2ca02c", "fetch": "#ff7f0e", "checkpoint": "#1f77b4", "startup": "#9467bd",
+              "eval": "#8c564b", "lost": "#d62728"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 1.8))
+    left = 0.0
+    for name, sec in parts:
+        ax.barh([0], [sec], left=left, color=colors[name], label=f"{name} {sec:.1f}s")
+        left += sec
+    ax.set_yticks([])
+    ax.set_xlabel("seconds of wall time")
+    ax.set_title(f"goodput {100 * report['goodput']:.1f}%  ({report['restarts']} restarts)")
+    ax.legend(ncol=3, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
 
 
 class Attempts:
@@ -60,6 +86,7 @@ class Attempts:
     def __init__(self, storage: Storage):
         self.storage = storage
         self.path = None
+        self._beating = None
 
     def begin(self, resumed_from: int | None) -> int:
         n = len([k for k in self.storage.ls("attempts") if k.endswith(".json")])
@@ -77,6 +104,24 @@ class Attempts:
         if self.path is not None:
             self.record.update(step=step, last_seen=time.time())
             self.storage.write_bytes(self.path, json.dumps(self.record).encode())
+
+    def beat_async(self, step: int) -> None:
+        """A heartbeat that never blocks the loop: skipped while the previous one is still writing."""
+        if self._beating is not None and self._beating.is_alive():
+            return
+        self._beating = threading.Thread(target=self._beat_quietly, args=(step,), daemon=True)
+        self._beating.start()
+
+    def _beat_quietly(self, step: int) -> None:
+        try:
+            self.beat(step)
+        except Exception as e:
+            logging.getLogger(__name__).debug("heartbeat failed: %s", e)
+
+    def lost_steps(self) -> int:
+        """Steps done by crashed attempts after the checkpoint their successor resumed from."""
+        recs = sorted(self.previous() + [self.record], key=lambda r: r["attempt"])
+        return sum(max(0, a["step"] - (b["resumed_from"] or 0)) for a, b in zip(recs, recs[1:]))
 
     def previous(self) -> list[dict]:
         out = []

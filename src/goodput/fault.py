@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import time
 
 from goodput.storage import Storage
 
@@ -18,6 +20,7 @@ class Faults:
     ):
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
+        self._random_kill_at, self._attempt = None, 0
 
     def _fire(self, name: str) -> None:
         marker = f"faults/{name}.fired"
@@ -30,8 +33,23 @@ class Faults:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def at_step(self, step: int) -> None:
-        if self.kill_at_step is not None and step == self.kill_at_step and self.rank == self.target_rank:
+        if self.rank != self.target_rank:
+            return
+        if self.kill_at_step is not None and step == self.kill_at_step:
             self._fire(f"kill_at_step-{step}")
+        if self._random_kill_at is not None and time.monotonic() >= self._random_kill_at:
+            self._random_kill_at = None
+            self._fire(f"random-kill-attempt{self._attempt}")
+
+    def arm_random(self, mtbf_seconds: float | None, max_kills: int, seed: int, attempt: int) -> None:
+        """Kill this attempt after an exponential time with mean `mtbf_seconds`, seeded by (seed,
+        attempt), so a drill is repeatable; at most `max_kills` kills over the run."""
+        self._attempt = attempt
+        if not mtbf_seconds or attempt >= max_kills or self.rank != self.target_rank:
+            return
+        delay = random.Random(seed * 1_000_003 + attempt).expovariate(1.0 / mtbf_seconds)
+        self._random_kill_at = time.monotonic() + delay
+        log.warning("fault drill: this attempt will be killed in %.1fs (mtbf %.1fs)", delay, mtbf_seconds)
 
     def during_save(self, step: int) -> None:
         if (

@@ -156,6 +156,7 @@ def train(t) -> dict:
                 refresh=False,
             )
             window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
+            t.attempts_beat(step)  # how far this attempt got, for lost-work accounting after a crash
         bar.update(1)
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
@@ -169,7 +170,6 @@ def train(t) -> dict:
             blocking = t.ckpt.save(step, t.app)
             t.ledger.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
-            t.attempts_beat(step)
         for m in t.ckpt.drain_metrics():
             t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
         if stopping:

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from goodput import loop
-from goodput.accounting import Attempts, Ledger
+from goodput.accounting import Attempts, Ledger, plot
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState, StatefulDict
 from goodput.checkpoint.manager import config_hash
 from goodput.config import validate
@@ -211,7 +211,7 @@ class Trainer:
 
     def attempts_beat(self, step: int) -> None:
         if self.dist.rank == 0:
-            self.attempts.beat(step)
+            self.attempts.beat_async(step)
 
     def close(self) -> None:
         self.ckpt.close()
@@ -276,20 +276,25 @@ def worker(c: dict) -> dict | None:
         if rec:
             t.ledger.resumed_from.append(rec["step"])
             log.info("resumed from %s (step %d)", t.ckpt_store.url(rec["dir"]), rec["step"])
-        restarts = 0
+        info = [0, t_start]  # (restarts so far, when the run first started), rank 0's view
         if d.rank == 0:
-            restarts = t.attempts.begin(resumed)
-            if restarts:
-                t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
-        if rec is None:
-            t.ledger.run_start = t_start
+            info = [t.attempts.begin(resumed), min([t_start] + [a["start"] for a in t.attempts.previous()])]
+        if d.world > 1:
+            dist.broadcast_object_list(info, src=0)
+        restarts, first_start = info
+        f = c["fault"]
+        t.faults.arm_random(f.get("mtbf_seconds"), f.get("max_kills", 0), c["seed"], restarts)
+        if restarts:
+            t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
+        if rec is None:  # nothing restored: wall time still counts from the run's first attempt
+            t.ledger.run_start = first_start
         t.ledger.add("startup", time.time() - t_start)
         result = loop.train(t)
         digest = model_sha256(t.model)
-        t.attempts_beat(result["steps"])
         summary = None
         if d.rank == 0:
-            goodput = t.ledger.report(restarts)
+            t.attempts.beat(result["steps"])
+            goodput = t.ledger.report(restarts, t.attempts.lost_steps())
             summary = {
                 **result,
                 "model_sha256": digest,
@@ -307,6 +312,8 @@ def worker(c: dict) -> dict | None:
             t.tracker.log({f"goodput/{k}": v for k, v in goodput.items()}, result["steps"])
             t.tracker.log({"summary/val_accuracy": result["val_accuracy"] or 0.0}, result["steps"])
             t.tracker.artifact(os.path.join(c["run_dir"], "summary.json"))
+            plot(goodput, os.path.join(c["run_dir"], "goodput.png"))
+            t.tracker.artifact(os.path.join(c["run_dir"], "goodput.png"))
             hydra_dir = os.path.join(c["run_dir"], ".hydra")
             if os.path.isdir(hydra_dir):
                 t.tracker.artifacts(hydra_dir, "hydra")
