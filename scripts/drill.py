@@ -2,7 +2,7 @@
 
 python scripts/drill.py                                   # demo job, dcp_async, kills with a 20 s MTBF
 python scripts/drill.py --mtbf 10 --kills 2 -- checkpoint=dcp_sync checkpoint.every_n_steps=10
-python scripts/drill.py --compare                         # torch_save (long interval) vs dcp_sync / dcp_async (short)
+python scripts/drill.py --compare   # torch_save (long interval) vs dcp_sync / dcp_async (short)
 
 Each faulty run is supervised by the elastic agent (parallel.max_restarts), so restarts are automatic;
 the clean run has no faults. Prints goodput, lost work, restarts and stalls, and whether the final

@@ -1,4 +1,4 @@
-"""The goodput ledger on synthetic timelines, and a drill with two random kills through the real entry point."""
+"""The goodput ledger on synthetic timelines; a drill with two random kills through the entry point."""
 
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ def test_advise_uses_the_runs_measured_stall(tmp_path):
     assert r["interval_minutes"] == pytest.approx(
         (2 * r["save_stall_seconds"] * r["mtbf_hours"] * 3600) ** 0.5 / 60
     )
-    bad = subprocess.run([sys.executable, "scripts/goodput.py", "advise", "0" * 32, "--tracking-uri",
-                          f"sqlite:///{tmp_path}/mlflow.db"], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "scripts/goodput.py", "advise", "0" * 32, "--tracking-uri", uri]
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "no MLflow run" in bad.stderr
