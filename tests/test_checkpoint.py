@@ -236,3 +236,27 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, smoke_reference, b
     assert s["resumed_from_steps"] == [4]
     assert s["model_sha256"] == ref["model_sha256"]
     assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+
+
+@pytest.mark.parametrize("backend", ["torch_save", "dcp_async"])
+def test_inspect_lists_and_exports(tmp_path, backend):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    _, s = run_train(tmp_path, f"checkpoint={backend}")
+    ck = tmp_path / "checkpoints" / "smoke"
+    os.makedirs(ck / "step-000000099")  # an incomplete one
+    out = subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--json"],
+                         cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+    rows = {r["step"]: r for r in json.loads(out.stdout)}
+    assert (
+        rows[12]["status"] == "committed" and rows[12]["backend"] == backend and rows[12]["world_size"] == 1
+    )
+    assert rows[99]["status"] == "incomplete"
+    subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--export", str(tmp_path / "m.pt")],
+                   cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+    model = SmallCNN(num_classes=10, width=32)
+    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    assert model_sha256(model) == s["model_sha256"]  # the exported weights are the final model
