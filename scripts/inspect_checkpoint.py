@@ -81,9 +81,8 @@ def main() -> None:
         print(f"{'step':>10}  {'backend':<10} {'world':>5} {'MB':>9}  status")
         for r in rows:
             mb = r["bytes"] / 1e6
-            print(
-                f"{r['step']:>10}  {r.get('backend') or '-':<10} {r.get('world_size') or '-':>5} {mb:>9.2f}  {r['status']}"
-            )
+            backend, world = r.get("backend") or "-", r.get("world_size") or "-"
+            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}")
     if a.export:
         ok = [r for r in rows if r["status"] == "committed" and (a.step is None or r["step"] == a.step)]
         if not ok:

@@ -255,8 +255,8 @@ def test_inspect_lists_and_exports(tmp_path, backend):
         rows[12]["status"] == "committed" and rows[12]["backend"] == backend and rows[12]["world_size"] == 1
     )
     assert rows[99]["status"] == "incomplete"
-    subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--export", str(tmp_path / "m.pt")],
-                   cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+    cmd = [sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--export", str(tmp_path / "m.pt")]
+    subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     model = SmallCNN(num_classes=10, width=32)
     model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert model_sha256(model) == s["model_sha256"]  # the exported weights are the final model
