@@ -20,6 +20,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from goodput.config import ConfigError  # noqa: E402
 from goodput.launch import launch  # noqa: E402
+from goodput.lock import RunLocked  # noqa: E402
 from goodput.train import AlreadyDone, prepare  # noqa: E402
 
 log = logging.getLogger("goodput")
@@ -33,14 +34,18 @@ def main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
-        c = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
+        c, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
     except AlreadyDone as e:
         log.info("%s", e)
         return
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, RunLocked) as e:
         log.error("%s", e)
         sys.exit(2)
-    summary = launch(c)
+    try:
+        summary = launch(c)
+    finally:
+        if lock is not None:
+            lock.release()
     if summary is not None:
         log.info(
             "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",

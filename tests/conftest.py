@@ -98,3 +98,34 @@ def s3_bucket(s3_endpoint, request):
     fs.mkdir(name)
     s3fs.S3FileSystem.clear_instance_cache()
     return name
+
+
+def final_checkpoint_state(ckpt_dir) -> tuple[str, str]:
+    """(model_sha256, sample_order_sha256) of the newest committed checkpoint, read back from disk."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from goodput.checkpoint.backends import SafeFileSystemReader
+    from goodput.checkpoint.state import decode
+    from goodput.model import SmallCNN, model_sha256
+
+    steps = sorted(p for p in Path(ckpt_dir).glob("step-*") if (p / "COMMIT.json").exists())
+    newest = steps[-1]
+    if (newest / "state.pt").exists():
+        full = torch.load(newest / "state.pt", weights_only=True)
+        model_sd, data = full["model"], decode(full["extra"]["data"])
+    else:
+        reader = SafeFileSystemReader(str(newest))
+        md = reader.read_metadata().state_dict_metadata
+        sd = {
+            k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in md.items()
+            if (k.startswith("model.") or k == "extra.data") and isinstance(m, TensorStorageMetadata)
+        }
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+        model_sd = {k[len("model.") :]: v for k, v in sd.items() if k.startswith("model.")}
+        data = decode(sd["extra.data"])
+    model = SmallCNN(num_classes=10, width=32)
+    model.load_state_dict(model_sd)
+    return model_sha256(model), data["sample_order_sha256"]

@@ -146,5 +146,9 @@ def clean_dist_env() -> None:
         os.environ.pop(k, None)
 
 
+_T0 = time.perf_counter()
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress on stderr with seconds since start, so a slow phase is easy to spot."""
+    print(f"[{time.perf_counter() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)

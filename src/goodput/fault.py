@@ -21,6 +21,7 @@ class Faults:
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
         self._random_kill_at, self._attempt = None, 0
+        self._chaos, self._chaos_p = None, 0.0
 
     def _fire(self, name: str) -> None:
         marker = f"faults/{name}.fired"
@@ -40,6 +41,18 @@ class Faults:
         if self._random_kill_at is not None and time.monotonic() >= self._random_kill_at:
             self._random_kill_at = None
             self._fire(f"random-kill-attempt{self._attempt}")
+
+    def site(self, name: str) -> None:
+        """Chaos drills: at each named point (step, save, staged, upload, commit, retention) die with
+        probability `chaos_p`, from an RNG seeded by (chaos_seed, attempt): repeatable kill points."""
+        if self._chaos is not None and self._chaos.random() < self._chaos_p:
+            self._chaos = None  # one kill per attempt
+            self._fire(f"chaos-attempt{self._attempt}-{name}")
+
+    def arm_chaos(self, p: float, seed: int, max_kills: int, attempt: int) -> None:
+        self._attempt = attempt
+        if p and attempt < max_kills and self.rank == self.target_rank:
+            self._chaos, self._chaos_p = random.Random(seed * 7_919 + attempt), p
 
     def arm_random(self, mtbf_seconds: float | None, max_kills: int, seed: int, attempt: int) -> None:
         """Kill this attempt after an exponential time with mean `mtbf_seconds`, seeded by (seed,

@@ -142,6 +142,7 @@ def train(t) -> dict:
         window["images"] += len(y)
         window["n"] += 1
         t.faults.at_step(step)
+        t.faults.site("step")
 
         if step % log_every == 0 or step == max_steps:
             loss_val = loss.item()

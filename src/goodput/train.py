@@ -28,6 +28,7 @@ from goodput.config import validate
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.data.synthetic import make_dataset
 from goodput.fault import Faults
+from goodput.lock import RunLock
 from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
 from goodput.storage import Storage, StorageConfig
@@ -53,8 +54,9 @@ def storage_config(c: dict) -> StorageConfig:
 # -- once per job, before workers --------------------------------------------------------------
 def prepare(
     cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
-) -> dict:
-    """Resolve and check the config, create demo data, open the MLflow run. Returns a plain dict."""
+) -> tuple[dict, RunLock | None]:
+    """Resolve and check the config, take the run lock, create demo data, open the MLflow run.
+    Returns the plain resolved config and the lock (held by rank 0's job process)."""
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
@@ -76,6 +78,20 @@ def prepare(
     mgr = CheckpointManager(_ckpt_config(c), store, BACKENDS[ck["backend"]](**ck), 0, 1, 0)
     committed = mgr.committed()
     resume = str(c["run"]["resume"])
+    lock = None
+    if leader:
+        lock = RunLock(store, c["run"]["lock_stale_seconds"])
+        lock.acquire()
+    try:
+        _prepare_run(c, store, committed, resume, leader, choices)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return c, lock
+
+
+def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: bool, choices) -> None:
     if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c["run"]["overwrite"]:
             raise FileExistsError(
@@ -83,7 +99,9 @@ def prepare(
                 f"continue it, run.overwrite=true to discard them, or another run.name"
             )
         log.warning("run.overwrite=true: discarding %s", store.url())
-        store.rm("", recursive=True)
+        for name in store.ls():
+            if name != RunLock.NAME:
+                store.rm(name, recursive=True)
         committed = []
     if resume == "auto" and committed and committed[0]["step"] >= c["trainer"]["max_steps"]:
         raise AlreadyDone(
@@ -98,7 +116,7 @@ def prepare(
     c["config_hash"] = config_hash(params)
     c["mlflow_run_id"] = None
     if not leader:
-        return c
+        return
     c["mlflow_run_id"] = start_run(
         c["mlflow"]["tracking_uri"],
         c["mlflow"]["experiment"],
@@ -107,7 +125,6 @@ def prepare(
         previous_run_id,
         c["mlflow"]["artifact_location"],
     )
-    return c
 
 
 def ensure_data(c: dict) -> None:
@@ -284,6 +301,7 @@ def worker(c: dict) -> dict | None:
         restarts, first_start = info
         f = c["fault"]
         t.faults.arm_random(f.get("mtbf_seconds"), f.get("max_kills", 0), c["seed"], restarts)
+        t.faults.arm_chaos(f.get("chaos_p", 0.0), f.get("chaos_seed", 0), f.get("max_kills", 0), restarts)
         if restarts:
             t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
         if rec is None:  # nothing restored: wall time still counts from the run's first attempt

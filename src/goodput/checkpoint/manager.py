@@ -107,8 +107,13 @@ class CheckpointManager:
         local = os.path.join(self.cfg.staging_dir, step_dir(step))
         shutil.rmtree(local, ignore_errors=True)
         os.makedirs(local, exist_ok=True)
+        prep_error = None
         if self.rank == 0:
-            self._set_aside(step)
+            try:
+                self._set_aside(step)
+            except Exception as e:  # keep the ranks in step: fail this save after the collectives
+                prep_error = e
+        self._site("save")
         if self.world > 1:
             dist.barrier(group=self.pg)
         sd = app.state_dict(self.backend.options)
@@ -119,7 +124,7 @@ class CheckpointManager:
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
         info = {**self.commit_info, **(extra_commit or {})}
-        meta = {"t0": t0, "step": step}
+        meta = {"t0": t0, "step": step, "prep_error": prep_error}
         if self.backend.is_async:
             th = threading.Thread(
                 target=self._background,
@@ -133,7 +138,10 @@ class CheckpointManager:
             # for it in wait_for_staging(), right before the optimizer mutates parameters.
             blocking = time.perf_counter() - t0
         else:
-            self._complete(step, pending, local, info, meta)
+            try:
+                self._complete(step, pending, local, info, meta)
+            except SaveFailed as e:
+                return self._failed(step, e, time.perf_counter() - t0)
             blocking = time.perf_counter() - t0
         meta["blocking"] = blocking
         return blocking
@@ -150,12 +158,15 @@ class CheckpointManager:
         try:
             self._complete(step, pending, local, info, meta)
         except BaseException as e:  # surfaced on the training thread at the next save/wait
-            self._bg_error = e
+            self._bg_error = (step, e)
 
     def _complete(self, step, pending, local, info, meta) -> None:
         """Finish writing locally, upload this rank's files, and (rank 0) commit."""
         try:
             pending.result()
+            if meta.get("prep_error") is not None:
+                raise meta["prep_error"]
+            self._site("staged")
             files = self._upload(step, local)
             if self.rank == 0:
                 self._commit(step, local, files, info)
@@ -177,6 +188,10 @@ class CheckpointManager:
             if self.rank == 0:  # the others removed their files as they uploaded them
                 shutil.rmtree(local, ignore_errors=True)
 
+    def _site(self, name: str) -> None:
+        if self.fault is not None:
+            self.fault.site(name)  # chaos drills may SIGKILL here
+
     def _set_aside(self, step: int) -> None:
         """Never write into an existing step dir (a re-run after resuming from an older step): a
         half-overwritten dir next to an old COMMIT.json could look complete. Move it aside instead
@@ -196,6 +211,7 @@ class CheckpointManager:
             os.remove(os.path.join(local, name))  # staging space is node-local and small
             if i == 0 and self.fault is not None:
                 self.fault.during_save(step)  # SIGKILL here when fault.kill_during_save says so
+            self._site("upload")
         if ".metadata" in names:
             sizes[".metadata"] = os.path.getsize(os.path.join(local, ".metadata"))
         self.storage.write_bytes(f"{rel}/ranks/{self.rank}.json", json.dumps({"files": sizes}).encode())
@@ -225,6 +241,7 @@ class CheckpointManager:
             files.update(json.loads(self.storage.read_bytes(f"{rel}/ranks/{r}.json"))["files"])
         if ".metadata" in my_files:  # DCP's own completeness marker goes after every shard
             self.storage.put(os.path.join(local, ".metadata"), f"{rel}/.metadata")
+        self._site("commit")
         record = {
             "step": step,
             "backend": self.backend.name,
@@ -249,8 +266,8 @@ class CheckpointManager:
             th.join()
             self._pending = None
         if self._bg_error is not None:
-            e, self._bg_error = self._bg_error, None
-            self._failed(-1, e, 0.0)
+            (step, e), self._bg_error = self._bg_error, None
+            self._failed(step, e, 0.0)
 
     def wait(self) -> None:
         """Block until the in-flight save is uploaded (and committed, on rank 0)."""
@@ -301,6 +318,7 @@ class CheckpointManager:
     def _retention(self) -> None:
         committed = self.committed()  # newest first; only committed ones count
         for rec in committed[max(1, self.cfg.keep_last) :]:
+            self._site("retention")
             log.info("retention: removing %s", self.storage.url(rec["dir"]))
             self.storage.rm(rec["dir"], recursive=True)
 

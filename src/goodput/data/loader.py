@@ -69,6 +69,16 @@ class ResumableLoader:
         )
         self.files = FileList(storage, "train")
         self.order = GlobalOrder(len(self.files), global_batch_size, seed)
+        if cfg.cache_limit is not None and cfg.backend == "cached":
+            # The protected window is every rank's files for prefetch_steps + 1 steps: a budget below
+            # that would have to evict files that are about to be read.
+            largest = sorted(self.files.sizes, reverse=True)[: (cfg.prefetch_steps + 1) * global_batch_size]
+            if cfg.cache_limit < sum(largest):
+                raise ValueError(
+                    f"data.cache_limit={cfg.cache_limit} bytes is smaller than one look-ahead window "
+                    f"(data.prefetch_steps={cfg.prefetch_steps} + 1 steps of {global_batch_size} files, up to "
+                    f"{sum(largest)} bytes here): raise data.cache_limit or lower data.prefetch_steps"
+                )
         self.dataset = ImageDataset(self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample)
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
         self.seed = seed

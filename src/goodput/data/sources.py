@@ -6,6 +6,7 @@ dataset and the loop never ask which one they have.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -88,6 +89,27 @@ class CachedSource:
     def _fill(self, rel: str) -> tuple[bytes, int]:
         """Download rel into the cache atomically; returns (bytes, size)."""
         data = self.storage.read_bytes(rel)
+        try:
+            self._store(rel, data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            if self.cache_limit:  # make room within the budget, then try once more
+                self._last_scan = 0
+                self._maybe_evict(set(), force=True)
+                try:
+                    self._store(rel, data)
+                    return data, len(data)
+                except OSError:
+                    pass
+            raise OSError(
+                errno.ENOSPC,
+                f"cache disk full at {self.dir} while caching {rel}: free space there, or set data.cache_limit "
+                f"below the free space so older files are evicted",
+            ) from e
+        return data, len(data)
+
+    def _store(self, rel: str, data: bytes) -> None:
         dst = self.local_path(rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".fill-")
@@ -99,7 +121,6 @@ class CachedSource:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        return data, len(data)
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
         path = self.local_path(rel)
@@ -162,8 +183,8 @@ class CachedSource:
                     continue
                 entries.append((st.st_mtime, st.st_size, p))
         total = sum(e[1] for e in entries)
-        if total > self.cache_limit:
-            target = 0.9 * self.cache_limit
+        if total > self.cache_limit or force:
+            target = (0.5 if force else 0.9) * self.cache_limit
             for _, size, p in sorted(entries):
                 if total <= target:
                     break
