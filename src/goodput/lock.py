@@ -71,9 +71,10 @@ class RunLock:
             if why is None:
                 started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"]))
                 raise RunLocked(
-                    f"another job is using {self.storage.url()}: pid {h['pid']} on {h['host']}, started {started}. "
-                    f"Wait for it, stop it, or use another run.name (a crashed job's lock is taken over after "
-                    f"{self.stale_seconds:.0f}s without heartbeat, or at once on the same host)."
+                    f"another job is using {self.storage.url()}: pid {h['pid']} on {h['host']}, "
+                    f"started {started}. Wait for it, stop it, or use another run.name. A crashed job's "
+                    f"lock is taken over at once on its own host, elsewhere after {self.stale_seconds:.0f}s "
+                    "without heartbeat."
                 )
             log.warning(
                 "taking over a stale lock of %s (pid %s on %s): %s",

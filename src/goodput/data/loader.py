@@ -76,8 +76,8 @@ class ResumableLoader:
             if cfg.cache_limit < sum(largest):
                 raise ValueError(
                     f"data.cache_limit={cfg.cache_limit} bytes is smaller than one look-ahead window "
-                    f"(data.prefetch_steps={cfg.prefetch_steps} + 1 steps of {global_batch_size} files, up to "
-                    f"{sum(largest)} bytes here): raise data.cache_limit or lower data.prefetch_steps"
+                    f"(data.prefetch_steps={cfg.prefetch_steps} + 1 steps of {global_batch_size} files, "
+                    f"up to {sum(largest)} bytes here): raise data.cache_limit or lower data.prefetch_steps"
                 )
         self.dataset = ImageDataset(self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample)
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)

@@ -104,8 +104,8 @@ class CachedSource:
                     pass
             raise OSError(
                 errno.ENOSPC,
-                f"cache disk full at {self.dir} while caching {rel}: free space there, or set data.cache_limit "
-                f"below the free space so older files are evicted",
+                f"cache disk full at {self.dir} while caching {rel}: free space there, or set "
+                f"data.cache_limit below the free space so older files are evicted",
             ) from e
         return data, len(data)
 
@@ -160,15 +160,13 @@ class CachedSource:
             with self._lock:
                 self._inflight.discard(rel)
 
-    def _maybe_evict(self, protect: set[str]) -> None:
+    def _maybe_evict(self, protect: set[str], force: bool = False) -> None:
         # A full scan costs one stat per cached file: do it when our estimate says we are over
-        # budget, or every few seconds (other ranks and workers fill the cache too).
+        # budget, or every few seconds (other ranks and workers fill the cache too). `force`: the
+        # disk is full, make room now.
         now = time.monotonic()
-        if (
-            self._approx_bytes is not None
-            and self._approx_bytes <= self.cache_limit
-            and now - self._last_scan < 5
-        ):
+        within = self._approx_bytes is not None and self._approx_bytes <= self.cache_limit
+        if not force and within and now - self._last_scan < 5:
             return
         self._last_scan = now
         entries = []
