@@ -197,13 +197,17 @@ def test_cache_budget_smaller_than_the_lookahead_window_fails_before_training(tm
     assert s is None
 
 
+class NotATensor:  # anything torch.load(weights_only=True) must refuse to build
+    pass
+
+
 def test_torch_load_stays_weights_only(tmp_path, dist1):  # noqa: F811
     mgr = manager(tmp_path, "torch_save", dist1)
     app, *_ = make_app(1)
     mgr.save(1, app)
     path = tmp_path / "remote" / "step-000000001" / "state.pt"
     obj = torch.load(path, weights_only=True)
-    obj["evil"] = object.__new__(type("Evil", (), {}))
+    obj["evil"] = NotATensor()
     torch.save(obj, path)
     import json
 
