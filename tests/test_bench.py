@@ -1,0 +1,126 @@
+"""Smoke tests of the benchmark scripts at tiny sizes: they run, and write complete JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from goodput.bench import markdown_table, median, ratio
+
+
+def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / name), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert p.returncode == 0, f"{name} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_helpers():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert math.isnan(ratio(1.0, 0.0))
+    table = markdown_table(["a", "b"], [["x", 1.5], ["yy", float("nan")]])
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[1].startswith("|--") and "-" in lines[3]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores, mostly process start-up: three sets of processes + DCP daemons
+def test_bench_checkpoint_smoke(tmp_path):
+    tiny = "mobilenet_v3_small"  # 30 MB of state
+    p = run_script(
+        "bench_checkpoint.py",
+        *("--model", tiny, "--train-model", tiny, "--repeats", "1", "--latency-ms", "1"),
+        *("--bandwidth-mb-s", "0", "--train-rounds", "2", "--save-every", "4", "--train-batch", "4"),
+        *("--train-image-size", "32", "--out", str(tmp_path)),
+    )
+    report = json.loads((tmp_path / "bench_checkpoint.json").read_text())
+    assert (tmp_path / "bench_checkpoint.png").stat().st_size > 0
+    got = {(r["backend"], r["ranks"], r["async_type"]) for r in report["rows"]}
+    assert got == {
+        ("torch_save", 1, None),
+        ("dcp_sync", 1, None),
+        ("dcp_sync", 2, None),
+        ("dcp_async", 1, "thread"),
+        ("dcp_async", 2, "thread"),
+        ("dcp_async", 1, "process"),
+        ("dcp_async", 2, "process"),
+    }
+    for r in report["rows"]:
+        for k in (
+            "stall_s",
+            "commit_s",
+            "floor_s",
+            "stall_vs_torch_save",
+            "stall_vs_floor",
+            "state_bytes_per_rank",
+        ):
+            assert positive(r[k]), (r["label"], k, r[k])
+        assert r["commit_s"] >= r["stall_s"]
+        assert r["committed_bytes"] >= r["state_bytes_per_rank"] * 0.9  # the whole state reached the remote
+    assert [r["label"] for r in report["train"]] == [
+        "torch_save",
+        "dcp_sync",
+        "dcp_async/thread",
+        "dcp_async/process",
+    ]
+    for r in report["train"]:
+        for k in ("step_s_no_save", "step_s_with_save", "stall_s_mean", "after_save_step_s", "other_step_s"):
+            assert positive(r[k]), (r["label"], k, r[k])
+        assert r["saves"] == 2
+    assert len(report["targets"]) == 9 and report["machine"]["cpu_count"] >= 1
+    assert p.stdout.count("PASS") + p.stdout.count("MISS") == 9
+    assert not any(tmp_path.glob("ckpt-*")), "scratch space left behind"
+
+
+def test_bench_data_smoke(tmp_path):
+    p = run_script(
+        "bench_data.py",
+        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "100"),
+        *("--batch", "16", "--steps", "4", "--compute-ms", "5", "--latency-ms", "2", "--repeats", "1"),
+        *("--sweep-prefetch-steps", "1,4", "--sweep-threads", "2,8", "--sweep-steps", "4"),
+        *("--out", str(tmp_path)),
+    )
+    report = json.loads((tmp_path / "bench_data.json").read_text())
+    assert (tmp_path / "bench_data.png").stat().st_size > 0
+    rows = {r["row"]: r for r in report["rows"]}
+    assert list(rows) == ["remote", "cached cold", "cached warm", "floor"]
+    for r in rows.values():
+        for k in ("images_per_s", "fetch_s_per_step", "wait_share", "seconds"):
+            assert positive(r[k]), (r["row"], k, r[k])
+    assert rows["cached warm"]["hit_rate"] == 1.0  # the cold pass filled the cache with every file
+    assert {(c["prefetch_steps"], c["prefetch_threads"]) for c in report["sweep"]} == {
+        (1, 2),
+        (1, 8),
+        (4, 2),
+        (4, 8),
+    }
+    assert all(positive(c["images_per_s"]) for c in report["sweep"])
+    assert len(report["targets"]) == 2
+    assert p.stdout.count("PASS") + p.stdout.count("MISS") == 2
+    # A second run reuses the generated dataset.
+    p2 = run_script(
+        "bench_data.py",
+        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "100"),
+        *("--batch", "16", "--steps", "2", "--compute-ms", "1", "--latency-ms", "0", "--repeats", "1"),
+        *("--sweep-prefetch-steps", "", "--sweep-steps", "2", "--out", str(tmp_path / "again")),
+    )
+    assert "reusing the dataset" in p2.stderr
+    assert json.loads((tmp_path / "again" / "bench_data.json").read_text())["sweep"] == []
