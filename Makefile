@@ -41,9 +41,9 @@ format: $(STAMP)  ## apply ruff fixes and formatting
 mlflow-ui: $(STAMP)  ## open the MLflow UI on outputs/mlflow.db (http://127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --port 5000
 
-bench: $(STAMP)  ## run the benchmarks (results under outputs/bench/)
-	$(BIN)/python scripts/bench_checkpoint.py $(ARGS)
-	$(BIN)/python scripts/bench_data.py $(ARGS)
+bench: $(STAMP)  ## run both benchmarks at their default sizes (about 10 min; results in outputs/bench/)
+	$(BIN)/python scripts/bench_checkpoint.py
+	$(BIN)/python scripts/bench_data.py
 
 clean:  ## remove outputs (runs, checkpoints, cache, mlflow.db); keeps .venv
 	rm -rf outputs/* multirun

@@ -259,3 +259,22 @@ def test_inspect_lists_and_exports(tmp_path, backend):
     model = SmallCNN(num_classes=10, width=32)
     model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     assert model_sha256(model) == s["model_sha256"]  # the exported weights are the final model
+
+
+def test_resaving_a_step_moves_the_old_dir_aside(tmp_path, dist1):
+    """After resuming from an older step the run saves steps that exist from the abandoned lineage:
+    never write into them (an old COMMIT.json beside new shards could look complete)."""
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(1)
+    mgr.save(1, app)
+    mgr.save(2, app)
+    relaunch = manager(tmp_path, "dcp_sync", dist1)
+    relaunch.committed()  # discovery at start lists what is there
+    app.model.head.weight.data.add_(1.0)
+    relaunch.save(2, app)
+    names = os.listdir(tmp_path / "remote")
+    assert any(n.startswith("step-000000002.superseded-") for n in names)
+    assert [r["step"] for r in relaunch.committed()] == [2, 1]
+    target, *_ = make_app(3)
+    rec, _ = relaunch.restore(target, relaunch.committed())
+    assert rec["step"] == 2 and model_sha256(target.model) == model_sha256(app.model)

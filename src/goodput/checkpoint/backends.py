@@ -120,7 +120,7 @@ class TorchSave:
     def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
         rank_key = f"rank{rank}"
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object(sd[rank_key], gathered, dst=0)
+        dist.gather_object(sd[rank_key], gathered, dst=0, group=pg)
         if rank == 0:
             full = {k: v for k, v in sd.items() if not k.startswith("rank")}
             for r, part in enumerate(gathered):

@@ -83,6 +83,7 @@ class CheckpointManager:
         self._bg_error: BaseException | None = None
         self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
+        self._existing: set[str] | None = None  # step dirs on the remote at start (rank 0)
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
@@ -197,7 +198,10 @@ class CheckpointManager:
         half-overwritten dir next to an old COMMIT.json could look complete. Move it aside instead
         of deleting it: it might hold the only copy of something."""
         rel = step_dir(step)
-        if self.storage.exists(rel):
+        if self._existing is None:  # one listing per attempt, not a remote round trip per save
+            self._existing = {n for n, size in self.storage.ls().items() if size == -1}
+        if rel in self._existing and self.storage.exists(rel):
+            self._existing.discard(rel)
             aside = f"{rel}.superseded-{int(time.time())}"
             log.warning("%s exists from an earlier attempt: moving it to %s", self.storage.url(rel), aside)
             self.storage.mv(rel, aside)
@@ -282,7 +286,9 @@ class CheckpointManager:
         """Committed checkpoints, newest first. Cheap checks only: COMMIT.json parses and every
         listed file exists with its size. Loading is the real test (see restore)."""
         out = []
-        for name, size in sorted(self.storage.ls().items(), reverse=True):
+        listing = self.storage.ls()
+        self._existing = {n for n, size in listing.items() if size == -1}
+        for name, size in sorted(listing.items(), reverse=True):
             step = parse_step(name)
             if step is None or size != -1:
                 continue
