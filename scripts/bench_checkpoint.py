@@ -9,8 +9,8 @@ remote with `CheckpointManager` and each backend, and reports per configuration:
   commit     seconds from save start until `manager.wait()` returned on rank 0 (COMMIT.json written)
   floor      a bare in-memory copy of the same tensors into buffers allocated beforehand (what a
              staging copy cannot beat): the fastest of 3 copies right before each save
-  state_dict, remote op   two parts of the stall timed on their own: get_state_dict, and one remote
-             round trip (save() checks the remote for a leftover step directory)
+  state_dict, remote op   timed on their own for reference: get_state_dict (part of every stall),
+             and one remote round trip at the emulated latency
 The rows of one world size share a set of fresh processes and are interleaved save by save, so drift
 on a noisy machine hits them alike. Every row starts with one uncounted warm-up save (the first
 dcp_async process-type save spawns its daemon, seconds). Figures are medians of --repeats saves.
@@ -353,9 +353,8 @@ def main() -> int:
         f"Medians of {a.repeats} saves per row after one uncounted warm-up save per row (the first "
         f"dcp_async process-type save spawns its daemon); rows of one world size share fresh processes "
         f"and are interleaved save by save. floor = copy of the same tensors into buffers allocated "
-        f"beforehand, fastest of 3 right before each save; state_dict and remote op = two parts of the "
-        f"stall timed on their own (get_state_dict; one remote round trip, which save() makes to check for a "
-        f"leftover step dir)."
+        f"beforehand, fastest of 3 right before each save; state_dict = get_state_dict alone (part of "
+        f"every stall); remote op = one remote round trip, for reference."
     )
     table = markdown_table(
         [
