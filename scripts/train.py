@@ -19,7 +19,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from goodput.config import ConfigError  # noqa: E402
-from goodput.launch import launch  # noqa: E402
+from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
 from goodput.lock import RunLocked  # noqa: E402
 from goodput.train import AlreadyDone, prepare  # noqa: E402
 
@@ -43,6 +43,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         summary = launch(c)
+    except RendezvousUnreachable as e:
+        log.error("%s", e)
+        sys.exit(2)
     finally:
         if lock is not None:
             lock.release()

@@ -110,3 +110,14 @@ def test_multirun_sweep_over_parallel(tmp_path):
     assert sorted(s["world_size"] for s in summaries) == [1, 2]
     assert len({s["sample_order_sha256"] for s in summaries}) == 1  # same global order for any world size
     assert latest_summary(tmp_path) is None  # sweeps write under multirun/, not runs/
+
+
+def test_unreachable_rendezvous_is_a_clear_error(tmp_path):
+    # .invalid never resolves (RFC 2606): nothing leaves this machine
+    p, s = run_train(
+        tmp_path, "parallel=ddp", "parallel.rdzv_endpoint=nowhere.invalid:29500", "parallel.rdzv_timeout_s=5",
+        expect_rc=2,
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert "could not join the rendezvous at nowhere.invalid:29500 (parallel.rdzv_endpoint)" in out
+    assert s is None

@@ -88,6 +88,7 @@ def validate(c: dict) -> None:
     world = int(os.environ["WORLD_SIZE"]) if external else n
     need(n >= 1, f"parallel.nproc_per_node must be >= 1, got {n}")
     need(par["max_restarts"] >= 0, f"parallel.max_restarts must be >= 0, got {par['max_restarts']}")
+    need(par["rdzv_timeout_s"] > 0, f"parallel.rdzv_timeout_s must be > 0, got {par['rdzv_timeout_s']}")
     if not external and n >= 1:
         limit = torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
         need(n <= limit, f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit})")

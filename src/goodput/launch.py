@@ -16,6 +16,10 @@ import uuid
 from goodput.train import worker
 
 
+class RendezvousUnreachable(RuntimeError):
+    pass
+
+
 def external_world() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -32,19 +36,29 @@ def launch(c: dict) -> dict | None:
         return worker(c)
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    endpoint = par["rdzv_endpoint"] or f"127.0.0.1:{free_port()}"
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=par["nproc_per_node"],
         run_id=f"goodput-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=par["rdzv_endpoint"] or f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=endpoint,
+        rdzv_timeout=par["rdzv_timeout_s"],
+        rdzv_configs={"join_timeout": par["rdzv_timeout_s"], "read_timeout": min(60, par["rdzv_timeout_s"])},
         max_restarts=par["max_restarts"],
         monitor_interval=0.5,
         start_method="spawn",  # workers start clean: no inherited threads, locks or CUDA state
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(c["run_dir"], "elastic")),
     )
-    results = elastic_launch(lc, worker)(c)
+    try:
+        results = elastic_launch(lc, worker)(c)
+    except RendezvousError as e:
+        raise RendezvousUnreachable(
+            f"could not join the rendezvous at {endpoint} (parallel.rdzv_endpoint) within "
+            f"parallel.rdzv_timeout_s={par['rdzv_timeout_s']}s: {e} ({e.__cause__ or 'no detail'})"
+        ) from e
     return results.get(0)
