@@ -157,7 +157,7 @@ def train(t) -> dict:
                 refresh=False,
             )
             window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
-            t.attempts_beat(step)  # how far this attempt got, for lost-work accounting after a crash
+        t.attempts_beat(step)  # how far this attempt got (lost work after a crash); async, never blocks
         bar.update(1)
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
