@@ -278,3 +278,16 @@ def test_resaving_a_step_moves_the_old_dir_aside(tmp_path, dist1):
     target, *_ = make_app(3)
     rec, _ = relaunch.restore(target, relaunch.committed())
     assert rec["step"] == 2 and model_sha256(target.model) == model_sha256(app.model)
+
+
+@pytest.mark.slow
+def test_process_async_checkpointer_through_the_entry_point(tmp_path, smoke_reference):
+    """checkpoint.async_type=process: DCP's daemon process does the write; kill and resume still exact."""
+    ref = smoke_reference("dcp_async")
+    over = ["checkpoint=dcp_async", "checkpoint.async_type=process", "checkpoint.every_n_steps=2"]
+    run_train(tmp_path, *over, "fault.kill_at_step=9", expect_rc=-9)
+    _, s = run_train(tmp_path, *over, "fault.kill_at_step=9")
+    assert s["resumed_from_steps"] and s["resumed_from_steps"][0] in (6, 8)
+    assert s["model_sha256"] == ref["model_sha256"]
+    commit = json.loads((tmp_path / "checkpoints" / "smoke" / "step-000000012" / "COMMIT.json").read_text())
+    assert commit["backend"] == "dcp_async"
