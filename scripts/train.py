@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
 from goodput.config import ConfigError  # noqa: E402
 from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
 from goodput.lock import RunLocked  # noqa: E402
@@ -43,7 +44,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         summary = launch(c)
-    except RendezvousUnreachable as e:
+    except (RendezvousUnreachable, IncompatibleCheckpoint) as e:
         log.error("%s", e)
         sys.exit(2)
     finally:

@@ -95,8 +95,10 @@ def test_randomized_corruption_never_loads_partial_state(tmp_path, dist1):  # no
         rec, skipped = mgr.restore(target, mgr.committed())
         got = model_sha256(target.model)
         if rec is None:
+            # Nothing loaded everywhere: a failed attempt may have touched the live tensors, which is
+            # why worker() rebuilds model and optimizer from scratch whenever this happens.
             outcomes["fresh"] += 1
-            assert got in (fresh, *shas.values())  # the caller rebuilds; never a mix (checked below)
+            assert skipped or got == fresh
         else:
             outcomes["loaded"] += 1
             assert got == shas[rec["step"]], f"partial or wrong state loaded from step {rec['step']}"

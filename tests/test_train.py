@@ -82,12 +82,31 @@ def test_resume_none_refuses_to_overwrite_unless_asked(tmp_path):
     assert s["resumed_from_steps"] == [] and s["steps"] == 12
 
 
-def test_resume_from_explicit_path(tmp_path, smoke_reference):
-    run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=8", "checkpoint.keep_last=5")
+def test_resume_from_explicit_path_supersedes_the_newer_lineage(tmp_path, smoke_reference):
+    run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=8")  # commits 4 and 8 (keep_last=2)
     ck = tmp_path / "checkpoints" / "smoke"
-    _, s = run_train(tmp_path, "checkpoint=dcp_sync", f"run.resume={ck}/step-000000004")
+    p, s = run_train(tmp_path, "checkpoint=dcp_sync", f"run.resume={ck}/step-000000004")
     assert s["resumed_from_steps"] == [4]
     assert s["model_sha256"] == smoke_reference("dcp_sync")["model_sha256"]
+    # the old step 8 was moved aside, not left to win the next auto-resume or to starve retention
+    names = sorted(os.listdir(ck))
+    assert any(n.startswith("step-000000008.superseded-") for n in names)
+    assert "step-000000012" in names and "step-000000008" in names  # this lineage's own commits
+    p, _ = run_train(
+        tmp_path, "checkpoint=dcp_sync", f"run.resume={tmp_path}/elsewhere/step-000000004", expect_rc=2
+    )
+    assert "not a step dir of checkpoint.dir" in p.stdout + p.stderr
+
+
+def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
+    run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=4")
+    victim = sorted((tmp_path / "remote" / "data").rglob("train/*/*.jpg"))[0]
+    victim.unlink()
+    p, s = run_train(tmp_path, "checkpoint=dcp_sync", expect_rc=2)
+    out = p.stdout + p.stderr
+    assert "changed since the checkpoint" in out and "had 200 training files, now 199" in out
+    assert "starting from scratch" not in out
+    assert s["steps"] == 4  # the newest summary is still the first run's: nothing trained
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,7 @@ def train(t) -> dict:
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
+    has_buffers = any(True for _ in t.model.buffers())
     loss_val, val_acc = float("nan"), None
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
@@ -125,6 +126,8 @@ def train(t) -> dict:
         t1 = time.perf_counter()
         x = batch["image"].to(d.device, non_blocking=True)
         y = batch["label"].to(d.device, non_blocking=True)
+        if has_buffers:  # forward mutates buffers (BatchNorm stats): an async save's copy must be done
+            t.ckpt.wait_for_staging()
 
         loss = criterion(t.model(x), y)
         t.optimizer.zero_grad(set_to_none=True)

@@ -134,15 +134,18 @@ class TorchSave:
     def rank_files(self, local_dir: str, rank: int) -> list[str]:
         return ["state.pt"] if rank == 0 else []
 
-    def load(self, template: dict, local_dir: str) -> dict:
+    def prepare_load(self, template: dict, local_dir: str) -> dict:
+        """Local and fallible: read and check the file (no collectives)."""
         # weights_only=True: only tensors and plain containers, never arbitrary objects.
-        full = torch.load(
-            os.path.join(local_dir, "state.pt"), map_location="cpu", weights_only=True, mmap=True
-        )
+        path = os.path.join(local_dir, "state.pt")
+        full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         missing = [g for g in template if g not in full]
         if missing:
             raise CheckpointLoadError(f"state.pt lacks {missing}")
         return {g: full[g] for g in template}
+
+    def load(self, sd: dict, local_dir: str) -> None:
+        pass  # prepare_load already read everything
 
     def close(self) -> None:
         pass
@@ -172,11 +175,13 @@ class DCPSync:
         # .metadata goes last: it is what makes a DCP checkpoint loadable.
         return mine + ([".metadata"] if rank == 0 else [])
 
-    def load(self, template: dict, local_dir: str) -> dict:
-        reader = SafeFileSystemReader(local_dir)
-        sd = _fill_template_from_metadata(template, reader.read_metadata())
-        dcp.load(sd, storage_reader=reader)
-        return sd
+    def prepare_load(self, template: dict, local_dir: str) -> dict:
+        """Local and fallible: read the metadata safely and size the extras (no collectives)."""
+        return _fill_template_from_metadata(template, SafeFileSystemReader(local_dir).read_metadata())
+
+    def load(self, sd: dict, local_dir: str) -> None:
+        """Collective: every rank reads the chunks it needs into `sd`, in place."""
+        dcp.load(sd, storage_reader=SafeFileSystemReader(local_dir))
 
     def close(self) -> None:
         pass

@@ -62,6 +62,11 @@ class SaveFailed(RuntimeError):
     pass
 
 
+class IncompatibleCheckpoint(RuntimeError):
+    """An intact checkpoint that cannot continue this run (the dataset changed, another seed or
+    global batch size): an error to show, never a reason to fall back or start fresh."""
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -115,8 +120,14 @@ class CheckpointManager:
             except Exception as e:  # keep the ranks in step: fail this save after the collectives
                 prep_error = e
         self._site("save")
+        # Every rank learns whether rank 0 could prepare the step dir before anyone writes into it.
+        ok = torch.tensor([0 if prep_error else 1])
         if self.world > 1:
-            dist.barrier(group=self.pg)
+            dist.all_reduce(ok, group=self.pg, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            return self._failed(
+                step, prep_error or RuntimeError("rank 0 could not prepare the step dir"), 0.0
+            )
         sd = app.state_dict(self.backend.options)
         try:
             pending = self.backend.save(sd, local, self.rank, self.world, self.pg)
@@ -125,7 +136,7 @@ class CheckpointManager:
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
         info = {**self.commit_info, **(extra_commit or {})}
-        meta = {"t0": t0, "step": step, "prep_error": prep_error}
+        meta = {"t0": t0, "step": step}
         if self.backend.is_async:
             th = threading.Thread(
                 target=self._background,
@@ -165,8 +176,6 @@ class CheckpointManager:
         """Finish writing locally, upload this rank's files, and (rank 0) commit."""
         try:
             pending.result()
-            if meta.get("prep_error") is not None:
-                raise meta["prep_error"]
             self._site("staged")
             files = self._upload(step, local)
             if self.rank == 0:
@@ -324,6 +333,8 @@ class CheckpointManager:
     def _retention(self) -> None:
         committed = self.committed()  # newest first; only committed ones count
         for rec in committed[max(1, self.cfg.keep_last) :]:
+            if rec["step"] == self.last_committed_step:
+                continue  # never the one just committed
             self._site("retention")
             log.info("retention: removing %s", self.storage.url(rec["dir"]))
             self.storage.rm(rec["dir"], recursive=True)
@@ -335,16 +346,30 @@ class CheckpointManager:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
+    def _any(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0])
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _restore_dir(self, rec: dict) -> str:
+        # Keyed by the commit's identity, not just its step: a re-run of the same step (or a run that
+        # was overwritten) must never be served from an older download.
+        ident = hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:12]
+        return os.path.join(self.cfg.staging_dir, "restore", f"{rec['dir']}-{ident}")
+
     def _download(self, rec: dict) -> str:
         """One download per node (local rank 0); the other ranks of the node read the same copy."""
-        local = os.path.join(self.cfg.staging_dir, "restore", rec["dir"])
+        local = self._restore_dir(rec)
         marker = os.path.join(local, ".complete")
         err = None
         if self.local_rank == 0 and not os.path.exists(marker):
             try:
                 shutil.rmtree(local, ignore_errors=True)
-                for name in rec["files"]:
-                    self.storage.get(f"{rec['dir']}/{name}", os.path.join(local, name))
+                for name, size in rec["files"].items():
+                    got = self.storage.get(f"{rec['dir']}/{name}", os.path.join(local, name))
+                    if got != size:
+                        raise OSError(f"{name}: downloaded {got} bytes, the commit says {size}")
                 open(marker, "w").close()
             except Exception as e:
                 err = e
@@ -357,31 +382,71 @@ class CheckpointManager:
     def restore(self, app: AppState, candidates: list[dict]) -> tuple[dict | None, list[str]]:
         """Load the first candidate that loads on *every* rank. Returns (record, skipped reasons).
 
-        Collective: all ranks call it with the same candidates. Each attempt first agrees that the
-        files are readable everywhere, then runs the (collective) load, then agrees it applied."""
+        Collective: all ranks call it with the same candidates and make the same collective calls
+        whatever fails where: agree the files are here, build the template (collective under FSDP),
+        agree the files are readable and fit, run the collective load, agree it applied. A
+        checkpoint that is intact but belongs to another setup (IncompatibleCheckpoint: the dataset
+        changed, another seed or global batch) stops every rank: falling back would silently restart."""
         skipped = []
+
+        def fail(rec, err):
+            skipped.append(f"{rec['dir']}: {err!r}" if err else f"{rec['dir']}: failed on another rank")
+
         for rec in candidates:
-            err = None
+            err, local = None, None
             try:
                 local = self._download(rec)
-                template = app.template(self.backend.options, rec["world_size"])
             except Exception as e:
                 err = e
             if not self._agree(err is None):
-                skipped.append(f"{rec['dir']}: {err!r}" if err else f"{rec['dir']}: failed on another rank")
+                fail(rec, err)
+                continue
+            template = app.template(self.backend.options, rec["world_size"])
+            try:
+                sd = self.backend.prepare_load(template, local)
+            except Exception as e:
+                err = e
+            if not self._agree(err is None):
+                fail(rec, err)
                 continue
             try:
-                sd = self.backend.load(template, local)
+                self.backend.load(sd, local)
                 app.apply(sd, self.backend.options, rec["step"])
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
                 err = e
+            if self._any(isinstance(err, IncompatibleCheckpoint)):
+                raise IncompatibleCheckpoint(
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {err or 'see rank 0'}"
+                ) from err
             if self._agree(err is None):
                 self.last_committed_step = rec["step"]
+                if self.world > 1:
+                    dist.barrier()
+                if self.local_rank == 0:  # staging space is small: drop the downloaded copy
+                    shutil.rmtree(local, ignore_errors=True)
                 return rec, skipped
-            skipped.append(f"{rec['dir']}: {err!r}" if err else f"{rec['dir']}: failed on another rank")
+            fail(rec, err)
         return None, skipped
+
+    def supersede_after(self, step: int) -> None:
+        """Rank 0, after resuming from `step`: committed checkpoints above it belong to an abandoned
+        lineage (they failed to load, or the user chose an older one). Move them aside, so that
+        neither auto-resume nor retention ever confuses them with this run's newer commits."""
+        for name, size in self.storage.ls().items():
+            n = parse_step(name)
+            if n is not None and n > step and size == -1:
+                aside = f"{name}.superseded-{int(time.time())}"
+                log.warning(
+                    "%s is newer than the resumed step %d: moving it to %s",
+                    self.storage.url(name),
+                    step,
+                    aside,
+                )
+                self.storage.mv(name, aside)
+                if self._existing is not None:
+                    self._existing.discard(name)
 
 
 def config_hash(resolved: dict) -> str:

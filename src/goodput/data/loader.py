@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
+from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data.dataset import FileList, ImageDataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
 from goodput.data.sources import SOURCES
@@ -22,7 +23,7 @@ from goodput.storage import Storage
 log = logging.getLogger(__name__)
 
 
-class DatasetChangedError(RuntimeError):
+class DatasetChangedError(IncompatibleCheckpoint):
     pass
 
 
@@ -109,7 +110,10 @@ class ResumableLoader:
     # -- iteration ---------------------------------------------------------------------------
     def _start(self) -> None:
         sampler = StepBatchSampler(self.order, self.rank, self.world, self.step, self.max_steps)
-        dl = DataLoader(self.dataset, batch_sampler=sampler, **self.loader_kwargs)
+        # A private generator: creating the iterator draws a base seed, and drawing it from the global
+        # RNG would shift every later draw of a resumed run (dropout, for one) by one.
+        g = torch.Generator().manual_seed(self.seed)
+        dl = DataLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
         self._it = iter(dl)
         self._prefetched_until = self.step
         self._prefetch()
@@ -181,7 +185,7 @@ class ResumableLoader:
                 "dataset file list differs from the checkpoint's (same count): order continues by index"
             )
         if sd["global_batch_size"] != self.order.global_batch_size or sd["seed"] != self.seed:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"checkpoint used seed={sd['seed']} global_batch_size={sd['global_batch_size']}, this run "
                 f"seed={self.seed} global_batch_size={self.order.global_batch_size}: "
                 f"the sample order would differ"
@@ -206,4 +210,4 @@ def eval_loader(
     bs = max(1, batch_size)
     batches = [idx[i : i + bs] for i in range(0, len(idx), bs)]
     kw = make_loader_kwargs(min(cfg.num_workers, 2), cfg.prefetch_factor, device)
-    return DataLoader(ds, batch_sampler=batches, **kw)
+    return DataLoader(ds, batch_sampler=batches, generator=torch.Generator().manual_seed(0), **kw)
