@@ -69,7 +69,8 @@ def test_elastic_restart_after_worker_sigkill(tmp_path, ddp_reference):
 def test_resume_on_another_world_size_or_strategy(tmp_path, ddp_reference, first, second, backend):
     run_train(tmp_path, first, f"checkpoint={backend}", "fault.kill_at_step=10", expect_rc=None)
     p, s = run_train(tmp_path, second, f"checkpoint={backend}", "fault.kill_at_step=10")
-    assert s["resumed_from_steps"] == [8]
+    # dcp_async: step 8's save may still be uploading when step 10 is killed; then step 4 is the newest
+    assert s["resumed_from_steps"] == [8] or (backend == "dcp_async" and s["resumed_from_steps"] == [4])
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]  # the order continued exactly
     assert math.isfinite(s["final_loss"]) and abs(s["final_loss"] - ddp_reference["final_loss"]) < 0.5
     if first == "parallel=single":  # rank 1 did not exist in the checkpoint: its RNG state is derived
