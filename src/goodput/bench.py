@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -18,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from goodput.parallel import free_port  # noqa: F401  (re-exported for the bench scripts)
 
 
 def machine_info() -> dict:
@@ -132,12 +133,6 @@ def bar_chart(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_dist_env() -> None:

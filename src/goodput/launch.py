@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
+from goodput.parallel import free_port
 from goodput.train import worker
 
 
@@ -22,12 +22,6 @@ class RendezvousUnreachable(RuntimeError):
 
 def external_world() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(c: dict) -> dict | None:

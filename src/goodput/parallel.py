@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,6 +64,13 @@ def _store(rank: int, world: int, timeout_s: float):
         multi_tenant=not agent_store,
     )
     return dist.PrefixStore(f"goodput/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (rendezvous and stores of single-machine runs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shutdown_distributed() -> None:
