@@ -1,7 +1,14 @@
-"""List a run's checkpoints, or export a model from one as a single torch.save file (for inference).
+"""List a run's checkpoints, verify them byte for byte, or export a model from one as one file.
 
 python scripts/inspect_checkpoint.py outputs/checkpoints/demo
+python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo              # every commit of a run
+python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo/step-000000300   # one step dir
 python scripts/inspect_checkpoint.py outputs/checkpoints/demo --export model.pt [--step 250]
+
+--verify streams every file of every committed checkpoint through its checksum and compares it with
+the commit record; it exits 1 and names each bad file (missing, wrong size, wrong checksum, or a commit
+record that does not parse). Step dirs without a commit are listed as incomplete: they are never
+loaded, so they fail the check only when named directly.
 """
 
 import argparse
@@ -19,8 +26,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 from goodput.checkpoint.backends import SafeFileSystemReader  # noqa: E402
-from goodput.checkpoint.manager import COMMIT, parse_step  # noqa: E402
-from goodput.storage import Storage  # noqa: E402
+from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step  # noqa: E402
+from goodput.storage import CHECKSUM, Storage  # noqa: E402
 
 
 def status(store: Storage, name: str) -> dict:
@@ -29,25 +36,54 @@ def status(store: Storage, name: str) -> dict:
     if COMMIT not in files:
         return {**row, "status": "incomplete"}
     try:
-        rec = json.loads(store.read_bytes(f"{name}/{COMMIT}"))
-    except ValueError:
-        return {**row, "status": "corrupt commit"}
-    bad = [f for f, size in rec.get("files", {}).items() if files.get(f) != size]
+        rec = parse_commit(store.read_bytes(f"{name}/{COMMIT}"), name)
+    except CommitError as e:
+        return {**row, "status": f"bad commit record: {e}"}
+    bad = [f for f, m in rec["files"].items() if files.get(f) != m["bytes"]]
     return {
         **row,
         "backend": rec.get("backend"),
         "world_size": rec.get("world_size"),
         "bytes": rec.get("bytes", row["bytes"]),
         "status": f"files missing/wrong size: {bad[:3]}" if bad else "committed",
+        "record": rec,
     }
 
 
+def verify(store: Storage, name: str) -> list[str]:
+    """Every problem with committed step dir `name`, one line per bad file (empty = intact)."""
+    try:
+        rec = parse_commit(store.read_bytes(f"{name}/{COMMIT}"), name)
+    except FileNotFoundError:
+        return [f"{store.url(name)}: no {COMMIT} (incomplete, never loaded)"]
+    except CommitError as e:
+        return [f"{store.url(f'{name}/{COMMIT}')}: {e}"]
+    problems = []
+    for file, want in rec["files"].items():
+        url = store.url(f"{name}/{file}")
+        try:
+            got = store.digest(f"{name}/{file}")
+        except FileNotFoundError:
+            problems.append(f"{url}: missing")
+            continue
+        if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+            problems.append(
+                f"{url}: expected {want['bytes']} bytes with {CHECKSUM} {want[CHECKSUM]}, "
+                f"found {got.size} bytes with {got.digest}"
+            )
+    return problems
+
+
 def export(store: Storage, row: dict, out: str) -> None:
+    rec = row["record"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, size in store.ls(row["dir"]).items():
-            if size >= 0:
-                store.get(f"{row['dir']}/{name}", os.path.join(tmp, name))
-        if row["backend"] == "torch_save":
+        for name, want in rec["files"].items():
+            got = store.get(f"{row['dir']}/{name}", os.path.join(tmp, name))
+            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                sys.exit(
+                    f"{store.url(row['dir'] + '/' + name)} does not match its commit record: not exporting"
+                )
+        if rec["format"] == "torch_save":
             model = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)["model"]
         else:
             reader = SafeFileSystemReader(tmp)
@@ -65,18 +101,38 @@ def export(store: Storage, row: dict, out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", help="a run's checkpoint.dir (path or fsspec URL)")
+    p.add_argument("dir", help="a run's checkpoint.dir, or one step dir in it (path or fsspec URL)")
+    p.add_argument("--verify", action="store_true", help="check every byte against the commit records")
     p.add_argument("--export", metavar="FILE", help="write the model state dict of a committed checkpoint")
     p.add_argument("--step", type=int, help="which step to export (default: the newest committed)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    store = Storage(a.dir)
-    names = sorted(n for n, s in store.ls().items() if s == -1 and parse_step(n) is not None)
+    one = parse_step(a.dir.rstrip("/").rsplit("/", 1)[-1])
+    if one is not None:  # a single step dir
+        parent, name = a.dir.rstrip("/").rsplit("/", 1)
+        store, names = Storage(parent), [name]
+    else:
+        store = Storage(a.dir)
+        names = sorted(n for n, s in store.ls().items() if s == -1 and parse_step(n) is not None)
     if not names:
         p.error(f"no step-* checkpoint directories in {a.dir}")
+    if a.verify:
+        bad = 0
+        for name in names:
+            problems = verify(store, name)
+            incomplete = problems and problems[0].endswith("(incomplete, never loaded)")
+            if incomplete and one is None:
+                print(f"{name}: incomplete (no {COMMIT}), never loaded")
+                continue
+            for line in problems:
+                print(f"BAD {line}")
+            bad += len(problems)
+            if not problems:
+                print(f"{name}: ok")
+        sys.exit(1 if bad else 0)
     rows = [status(store, n) for n in names]
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps([{k: v for k, v in r.items() if k != "record"} for r in rows], indent=1))
     else:
         print(f"{'step':>10}  {'backend':<10} {'world':>5} {'MB':>9}  status")
         for r in rows:

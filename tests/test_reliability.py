@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import re
-import shutil
 import signal
 import subprocess
 import time
 
 import pytest
-import torch
 from conftest import REPO, final_checkpoint_state, run_train, train_cmd
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.model import model_sha256
 from goodput.storage import Storage, StorageConfig
 
 
@@ -58,53 +54,6 @@ def test_randomized_kills_always_resume_to_the_clean_result(tmp_path, smoke_refe
     # and what the newest committed checkpoint holds, read back from disk
     model_sha, order_sha = final_checkpoint_state(tmp_path / "checkpoints" / "smoke")
     assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"])
-
-
-# -- randomized corruption of checkpoint directories ------------------------------------------
-def test_randomized_corruption_never_loads_partial_state(tmp_path, dist1):  # noqa: F811
-    rng = random.Random(1234)
-    mgr = manager(tmp_path, "dcp_sync", dist1, keep_last=10)
-    app, *_ = make_app(1)
-    shas = {}
-    for step in (1, 2, 3, 4):
-        app.model.head.weight.data.add_(0.5)
-        mgr.save(step, app)
-        shas[step] = model_sha256(app.model)
-    mgr.wait()
-    pristine = tmp_path / "pristine"
-    shutil.copytree(tmp_path / "remote", pristine)
-    outcomes = {"loaded": 0, "fresh": 0}
-    for _ in range(40):
-        shutil.rmtree(tmp_path / "remote")
-        shutil.copytree(pristine, tmp_path / "remote")
-        files = sorted(p for p in (tmp_path / "remote").rglob("*") if p.is_file())
-        for victim in rng.sample(files, rng.randint(1, 6)):
-            how = rng.choice(["truncate", "delete", "garble"])
-            if how == "delete":
-                victim.unlink()
-            elif how == "truncate":
-                victim.write_bytes(victim.read_bytes()[: rng.randint(0, max(0, victim.stat().st_size - 1))])
-            else:
-                data = bytearray(victim.read_bytes())
-                for _ in range(8):
-                    if data:
-                        data[rng.randrange(len(data))] ^= 0xFF
-                victim.write_bytes(bytes(data))
-        target, *_ = make_app(99)
-        fresh = model_sha256(target.model)
-        rec, skipped = mgr.restore(target, mgr.committed())
-        got = model_sha256(target.model)
-        if rec is None:
-            # Nothing loaded everywhere: a failed attempt may have touched the live tensors, which is
-            # why worker() rebuilds model and optimizer from scratch whenever this happens.
-            outcomes["fresh"] += 1
-            assert skipped or got == fresh
-        else:
-            outcomes["loaded"] += 1
-            assert got == shas[rec["step"]], f"partial or wrong state loaded from step {rec['step']}"
-    assert outcomes["loaded"] > 10  # the trials exercised both paths
-    # byte flips inside tensor data that keep sizes cannot be detected without checksums, so only
-    # structural damage is guaranteed to be caught; that is what the commit record's sizes are for.
 
 
 def test_storage_errors_at_a_few_percent_do_not_change_the_result(tmp_path, smoke_reference):
@@ -197,26 +146,3 @@ def test_cache_budget_smaller_than_the_lookahead_window_fails_before_training(tm
     p, s = run_train(tmp_path, "data.cache_limit=1000", expect_rc=1)
     assert "data.cache_limit=1000 bytes is smaller than one look-ahead window" in p.stdout + p.stderr
     assert s is None
-
-
-class NotATensor:  # anything torch.load(weights_only=True) must refuse to build
-    pass
-
-
-def test_torch_load_stays_weights_only(tmp_path, dist1):  # noqa: F811
-    mgr = manager(tmp_path, "torch_save", dist1)
-    app, *_ = make_app(1)
-    mgr.save(1, app)
-    path = tmp_path / "remote" / "step-000000001" / "state.pt"
-    obj = torch.load(path, weights_only=True)
-    obj["evil"] = NotATensor()
-    torch.save(obj, path)
-    import json
-
-    commit = tmp_path / "remote" / "step-000000001" / "COMMIT.json"
-    rec = json.loads(commit.read_text())
-    rec["files"]["state.pt"] = path.stat().st_size
-    commit.write_text(json.dumps(rec))
-    target, *_ = make_app(2)
-    got, skipped = mgr.restore(target, mgr.committed())
-    assert got is None and "Weights only load failed" in skipped[0]

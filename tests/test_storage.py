@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from goodput.storage import Storage, StorageConfig, StorageError
+from goodput.storage import Storage, StorageConfig, StorageError, file_digest
 
 
 def test_local_roundtrip_and_listing(tmp_path):
@@ -14,10 +14,13 @@ def test_local_roundtrip_and_listing(tmp_path):
     s.write_bytes("a/b.bin", b"x" * 10)
     src = tmp_path / "local.bin"
     src.write_bytes(b"y" * 5)
-    assert s.put(str(src), "a/c.bin") == 5
+    t = s.put(str(src), "a/c.bin")
+    assert t.size == 5 and t == file_digest(str(src))  # hashed while it streamed out
     assert s.ls("a") == {"b.bin": 10, "c.bin": 5}
     assert s.find("") == {"a/b.bin": 10, "a/c.bin": 5}
-    assert s.get("a/b.bin", str(tmp_path / "out" / "b.bin")) == 10
+    assert s.get("a/b.bin", str(tmp_path / "out" / "b.bin")) == file_digest(
+        str(tmp_path / "r" / "a" / "b.bin")
+    )
     assert (tmp_path / "out" / "b.bin").read_bytes() == b"x" * 10
     assert not list((tmp_path / "r" / "a").glob("*.tmp*"))  # no temp files left behind
     s.rm("a", recursive=True)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from goodput import loop
 from goodput.accounting import Attempts, Ledger, plot
-from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState, StatefulDict
+from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.checkpoint.manager import config_hash
 from goodput.config import validate
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
@@ -206,7 +206,7 @@ class Trainer:
         self.ledger = Ledger()
         self.app = AppState(self.model, self.optimizer, d.rank)
         self.app.register("data", self.loader)
-        self.app.register("scheduler", StatefulDict(self.scheduler))
+        self.app.register("scheduler", self.scheduler)
         self.app.register("ledger", self.ledger)
         self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
 

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from goodput.checkpoint.layout import CommitError, check_file_name
 from goodput.storage import atomic_write
 
 log = logging.getLogger(__name__)
@@ -43,41 +44,75 @@ class Pending:
     def staged(self) -> None:
         self._staging.result()
 
-    def staged_done(self) -> bool:
-        return self._staging.done()
-
     def result(self) -> None:
         self._upload.result()
 
 
-# -- safe reading of DCP metadata -------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles `.metadata`; a file we did not write could carry code. Only DCP's own metadata
-    classes, torch dtypes/Size/layout and paths may be constructed."""
+# -- safe reading of DCP checkpoints ------------------------------------------------------------
+# DCP pickles `.metadata`. A pickle names the callables it wants built as (module, name) pairs, and
+# protocol >= 4 resolves a dotted name attribute by attribute, so "any name in an allowed module"
+# reaches everything those modules import (os.system via a module that imports os). Allow exact
+# pairs only: the metadata classes DCP writes, torch.Size, the dtypes, and layout/path helpers.
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_MD, "Metadata"),
+    (_DCP_MD, "TensorStorageMetadata"),
+    (_DCP_MD, "BytesStorageMetadata"),  # parsed (old checkpoints list them) but never read
+    (_DCP_MD, "ChunkStorageMetadata"),
+    (_DCP_MD, "TensorProperties"),
+    (_DCP_MD, "MetadataIndex"),
+    (_DCP_MD, "StorageMeta"),
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object, nothing else
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+} | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
 
+
+class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        ok = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module in ("torch._utils", "torch.serialization") and name == "_get_layout")
-            or (
-                module == "pathlib"
-                and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-            )
-            or (module == "collections" and name == "OrderedDict")
-        )
-        if not ok:
+        if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(
                 f"checkpoint metadata refers to {module}.{name}, which is not allowed"
             )
         return super().find_class(module, name)
 
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("checkpoint metadata uses persistent ids, which are not allowed")
+
+
+def load_metadata(data: bytes):
+    """Unpickle DCP metadata through the allow-list, then check what DCP will trust from it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(md, Metadata):
+        raise CheckpointLoadError(f"checkpoint metadata is a {type(md).__name__}, not DCP Metadata")
+    for index, info in (md.storage_data or {}).items():
+        # Where DCP reads each item from: a plain file name of this checkpoint, untransformed.
+        try:
+            check_file_name(str(info.relative_path))
+        except CommitError as e:
+            raise CheckpointLoadError(
+                f"checkpoint metadata points {index.fqn} outside the checkpoint: {e}"
+            ) from e
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointLoadError(
+                f"checkpoint entry {index.fqn} has transforms {info.transform_descriptors}"
+            )
+    return md
+
 
 class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the two unpickling doors shut: metadata through the allow-list, and
+    any BYTE_IO item (which DCP's planner loads with `torch.load(weights_only=False)`) refused."""
+
     def read_metadata(self, *args, **kwargs):
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        with open(os.path.join(str(self.path), ".metadata"), "rb") as f:
+            metadata = load_metadata(f.read())
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -85,25 +120,48 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise CheckpointLoadError(
+                    f"checkpoint entry {item.dest_index.fqn} is not a tensor: refusing to unpickle it"
+                )
+        try:
+            return super().read_data(plan, planner)
+        except Exception as e:  # name the files, so the fallback warning says what was bad
+            files = sorted({str(self.storage_data[i.storage_index].relative_path) for i in plan.items})
+            raise CheckpointLoadError(f"reading {files} in {self.path}: {e}") from e
+
 
 def _fill_template_from_metadata(template: dict, md) -> dict:
-    """Extras have checkpoint-defined sizes: allocate them from the metadata; refuse any key that is
-    not a plain tensor (a BYTE_IO item would be unpickled without weights_only)."""
+    """Every entry we load must be a plain tensor in the metadata; extras (JSON in uint8 tensors)
+    have checkpoint-defined sizes, so allocate them from it."""
     out = {}
     for group, val in template.items():
-        if group in ("model", "optim"):
-            out[group] = val
-            continue
         out[group] = {}
-        for k in val:
-            fqn = f"{group}.{k}"
-            meta = md.state_dict_metadata.get(fqn)
+        for k, _ in _flat(val, group):
+            meta = md.state_dict_metadata.get(k)
             if meta is None:
-                raise CheckpointLoadError(f"checkpoint has no entry {fqn}")
+                raise CheckpointLoadError(f"checkpoint has no entry {k}")
             if not isinstance(meta, TensorStorageMetadata):
-                raise CheckpointLoadError(f"checkpoint entry {fqn} is not a tensor: refusing to unpickle it")
+                raise CheckpointLoadError(f"checkpoint entry {k} is not a tensor: refusing to unpickle it")
+        if group in ("model", "optim"):
+            out[group] = val  # live tensors, loaded in place
+            continue
+        for k in val:
+            meta = md.state_dict_metadata[f"{group}.{k}"]
             out[group][k] = torch.empty(meta.size, dtype=meta.properties.dtype)
     return out
+
+
+def _flat(tree, prefix: str):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, f"{prefix}.{k}")
+    else:
+        yield prefix, tree
 
 
 # -- backends ---------------------------------------------------------------------------------
@@ -111,6 +169,7 @@ class TorchSave:
     """Rank 0 gathers the full state and writes one file synchronously: the baseline."""
 
     name = "torch_save"
+    format = "torch_save"
     is_async = False
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -138,7 +197,10 @@ class TorchSave:
         """Local and fallible: read and check the file (no collectives)."""
         # weights_only=True: only tensors and plain containers, never arbitrary objects.
         path = os.path.join(local_dir, "state.pt")
-        full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CheckpointLoadError(f"{path}: {e}") from e
         missing = [g for g in template if g not in full]
         if missing:
             raise CheckpointLoadError(f"state.pt lacks {missing}")
@@ -155,14 +217,15 @@ class DCPSync:
     """torch.distributed.checkpoint.save: every rank writes its own shard; `.metadata` last."""
 
     name = "dcp_sync"
+    format = "dcp"
     is_async = False
     options = StateDictOptions()
 
-    def __init__(self, thread_count: int = 1, **_):
-        self.thread_count = thread_count
+    def __init__(self, **_):
+        pass
 
     def _writer(self, local_dir: str) -> FileSystemWriter:
-        return FileSystemWriter(local_dir, sync_files=True, thread_count=self.thread_count, overwrite=False)
+        return FileSystemWriter(local_dir, sync_files=True, overwrite=False)
 
     def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
         dcp.save(sd, storage_writer=self._writer(local_dir), process_group=pg)
@@ -177,7 +240,11 @@ class DCPSync:
 
     def prepare_load(self, template: dict, local_dir: str) -> dict:
         """Local and fallible: read the metadata safely and size the extras (no collectives)."""
-        return _fill_template_from_metadata(template, SafeFileSystemReader(local_dir).read_metadata())
+        try:
+            md = SafeFileSystemReader(local_dir).read_metadata()
+        except Exception as e:
+            raise CheckpointLoadError(f"{os.path.join(local_dir, '.metadata')}: {e}") from e
+        return _fill_template_from_metadata(template, md)
 
     def load(self, sd: dict, local_dir: str) -> None:
         """Collective: every rank reads the chunks it needs into `sd`, in place."""
@@ -194,8 +261,7 @@ class DCPAsync(DCPSync):
     name = "dcp_async"
     is_async = True
 
-    def __init__(self, async_type: str = "thread", thread_count: int = 1, **_):
-        super().__init__(thread_count=thread_count)
+    def __init__(self, async_type: str = "thread", **_):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if async_type not in ("thread", "process"):
@@ -239,3 +305,6 @@ class DCPAsync(DCPSync):
 
 
 BACKENDS = {"torch_save": TorchSave, "dcp_sync": DCPSync, "dcp_async": DCPAsync}
+# What reads a committed checkpoint is chosen by the format it was written in, not by this run's
+# backend: a run can switch between torch_save, dcp_sync and dcp_async and still resume.
+READERS = {"torch_save": TorchSave, "dcp": DCPSync}

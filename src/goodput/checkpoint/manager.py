@@ -1,16 +1,14 @@
 """Checkpoint manager: when to save, stage -> upload -> commit, discovery, retention, resume.
 
-Remote layout under `checkpoint.dir` (a path or fsspec URL):
-    step-000000120/            one fresh directory per save (DCP's overwrite would open a window
-        __0_0.distcp ...        with no .metadata)
-        .metadata               DCP's marker, uploaded after every shard
-        ranks/<r>.json          rank r's files and sizes, written after its upload finished
-        COMMIT.json             ours, written last by rank 0 once every rank's manifest is there
-A step directory without a readable COMMIT.json is incomplete and is never loaded.
+The remote layout is in `layout.py`. Every rank writes its part into node-local `staging_dir` (fast
+disk), then uploads it through the shared Storage (where the remote emulation applies), hashing each
+file as it streams out; its manifest (`ranks/<r>.json`) records sizes and checksums, and rank 0's
+COMMIT.json, written last, collects them. For `dcp_async` the write, the upload and the commit all
+run on a background thread; the loop only pays for staging.
 
-Every rank writes its part into node-local `staging_dir` (fast disk), then uploads it through the
-shared Storage (where the remote emulation applies). For `dcp_async` the write, the upload and the
-commit all run on a background thread; the loop only pays for staging.
+Restore verifies every byte before any of it is used: each file's checksum is computed while it
+downloads (or, for the node-local copy of the newest save that staging keeps, read back from local
+disk) and compared with the commit record. A mismatch anywhere is a collective fallback.
 """
 
 from __future__ import annotations
@@ -27,22 +25,26 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from goodput.checkpoint.backends import READERS
+from goodput.checkpoint.layout import (
+    COMMIT,
+    RANKS,
+    CommitError,
+    commit_record,
+    manifest,
+    parse_commit,
+    parse_manifest,
+    parse_step,
+    step_dir,
+)
 from goodput.checkpoint.state import AppState
-from goodput.storage import Storage
+from goodput.storage import CHECKSUM, Storage, file_digest
 
 log = logging.getLogger(__name__)
 
-COMMIT = "COMMIT.json"
 
-
-def step_dir(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def parse_step(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+class ChecksumMismatch(OSError):
+    """A file whose bytes differ from what its commit recorded."""
 
 
 @dataclass
@@ -105,7 +107,7 @@ class CheckpointManager:
         return by_steps or by_time
 
     # -- saving -----------------------------------------------------------------------------
-    def save(self, step: int, app: AppState, extra_commit: dict | None = None) -> float:
+    def save(self, step: int, app: AppState) -> float:
         """Start a checkpoint of `step`; returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
         self._finish_pending()  # one save in flight at most
@@ -135,7 +137,7 @@ class CheckpointManager:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
-        info = {**self.commit_info, **(extra_commit or {})}
+        info = {**self.commit_info, "time": time.time(), "torch": torch.__version__}
         meta = {"t0": t0, "step": step}
         if self.backend.is_async:
             th = threading.Thread(
@@ -155,7 +157,6 @@ class CheckpointManager:
             except SaveFailed as e:
                 return self._failed(step, e, time.perf_counter() - t0)
             blocking = time.perf_counter() - t0
-        meta["blocking"] = blocking
         return blocking
 
     def drain_metrics(self) -> list[dict]:
@@ -182,10 +183,11 @@ class CheckpointManager:
                 self._commit(step, local, files, info)
                 self.last_committed_step = step
                 self._retention()
+            if self.local_rank == 0:
+                self._prune_staging(step)
             total = time.perf_counter() - meta["t0"]
-            self.metrics.append(
-                {"ckpt/total_seconds": total, "ckpt/bytes": sum(files.values()), "ckpt/step": step}
-            )
+            nbytes = sum(f["bytes"] for f in files.values())
+            self.metrics.append({"ckpt/total_seconds": total, "ckpt/bytes": nbytes, "ckpt/step": step})
             log.info(
                 "checkpoint step %d %s in %.2fs", step, "committed" if self.rank == 0 else "uploaded", total
             )
@@ -194,9 +196,6 @@ class CheckpointManager:
                 raise
             self._mark_failed(step, e)
             raise SaveFailed(f"checkpoint of step {step} failed: {e!r}") from e
-        finally:
-            if self.rank == 0:  # the others removed their files as they uploaded them
-                shutil.rmtree(local, ignore_errors=True)
 
     def _site(self, name: str) -> None:
         if self.fault is not None:
@@ -215,20 +214,31 @@ class CheckpointManager:
             log.warning("%s exists from an earlier attempt: moving it to %s", self.storage.url(rel), aside)
             self.storage.mv(rel, aside)
 
-    def _upload(self, step: int, local: str) -> dict[str, int]:
+    def _put(self, local: str, rel: str, name: str) -> dict:
+        t = self.storage.put(os.path.join(local, name), f"{rel}/{name}")  # hashed as it streams
+        return {"bytes": t.size, CHECKSUM: t.digest}
+
+    def _upload(self, step: int, local: str) -> dict[str, dict]:
+        """Upload this rank's files (DCP's .metadata is rank 0's, at commit) and write its manifest.
+        The staged files stay: the newest save's local copy is what a restart on this node reads."""
         rel = step_dir(step)
-        names = self.backend.rank_files(local, self.rank)
-        sizes = {}
-        for i, name in enumerate(n for n in names if n != ".metadata"):
-            sizes[name] = self.storage.put(os.path.join(local, name), f"{rel}/{name}")
-            os.remove(os.path.join(local, name))  # staging space is node-local and small
+        files = {}
+        for i, name in enumerate(n for n in self.backend.rank_files(local, self.rank) if n != ".metadata"):
+            files[name] = self._put(local, rel, name)
             if i == 0 and self.fault is not None:
                 self.fault.during_save(step)  # SIGKILL here when fault.kill_during_save says so
             self._site("upload")
-        if ".metadata" in names:
-            sizes[".metadata"] = os.path.getsize(os.path.join(local, ".metadata"))
-        self.storage.write_bytes(f"{rel}/ranks/{self.rank}.json", json.dumps({"files": sizes}).encode())
-        return sizes
+        self.storage.write_bytes(f"{rel}/{RANKS}/{self.rank}.json", manifest(files))
+        return files
+
+    def _prune_staging(self, step: int) -> None:
+        """Drop staged saves older than this one (a restart reads the newest instead of the remote).
+        Older saves are finished on every rank of the node: each joins its pending save first."""
+        root = self.cfg.staging_dir
+        for name in os.listdir(root):
+            n = parse_step(name)
+            if n is not None and n < step:  # a newer one may already be in progress on a peer
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def _mark_failed(self, step: int, e: BaseException) -> None:
         try:  # lets rank 0 stop waiting for this rank's manifest
@@ -236,11 +246,11 @@ class CheckpointManager:
         except Exception:
             pass
 
-    def _commit(self, step: int, local: str, my_files: dict[str, int], info: dict) -> None:
+    def _commit(self, step: int, local: str, my_files: dict[str, dict], info: dict) -> None:
         rel = step_dir(step)
         deadline = time.monotonic() + self.cfg.commit_timeout_s
         while True:
-            names = self.storage.ls(f"{rel}/ranks")
+            names = self.storage.ls(f"{rel}/{RANKS}")
             failed = [n for n in names if n.endswith(".failed")]
             if failed:
                 raise SaveFailed(f"rank(s) {failed} failed to upload step {step}")
@@ -249,23 +259,14 @@ class CheckpointManager:
             if time.monotonic() > deadline:
                 raise SaveFailed(f"timed out waiting for all {self.world} ranks to upload step {step}")
             time.sleep(0.05)
-        files: dict[str, int] = {}
+        files: dict[str, dict] = {}
         for r in range(self.world):
-            files.update(json.loads(self.storage.read_bytes(f"{rel}/ranks/{r}.json"))["files"])
-        if ".metadata" in my_files:  # DCP's own completeness marker goes after every shard
-            self.storage.put(os.path.join(local, ".metadata"), f"{rel}/.metadata")
+            files.update(parse_manifest(self.storage.read_bytes(f"{rel}/{RANKS}/{r}.json"), r))
+        if ".metadata" in self.backend.rank_files(local, self.rank):
+            files[".metadata"] = self._put(local, rel, ".metadata")  # DCP's own marker: after every shard
         self._site("commit")
-        record = {
-            "step": step,
-            "backend": self.backend.name,
-            "world_size": self.world,
-            "files": files,
-            "bytes": sum(files.values()),
-            "time": time.time(),
-            "torch": torch.__version__,
-            **info,
-        }
-        self.storage.write_bytes(f"{rel}/{COMMIT}", json.dumps(record, indent=1, sort_keys=True).encode())
+        record = commit_record(step, self.backend, self.world, files, info)
+        self.storage.write_bytes(f"{rel}/{COMMIT}", record)
 
     def _failed(self, step: int, e: BaseException, blocking: float) -> float:
         log.error("checkpoint of step %d failed: %r; the previous committed checkpoint stays", step, e)
@@ -307,19 +308,19 @@ class CheckpointManager:
         return out
 
     def read_commit(self, rel: str) -> dict | None:
+        """The checked commit record of step dir `rel`, or None (with a warning naming why)."""
         try:
-            rec = json.loads(self.storage.read_bytes(f"{rel}/{COMMIT}"))
+            rec = parse_commit(self.storage.read_bytes(f"{rel}/{COMMIT}"), rel)
             present = self.storage.ls(rel)
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError) as e:
-            log.warning("skipping %s: unreadable %s (%s)", self.storage.url(rel), COMMIT, e)
+        except CommitError as e:
+            log.warning("skipping %s: %s", self.storage.url(f"{rel}/{COMMIT}"), e)
             return None
-        bad = [f for f, s in rec.get("files", {}).items() if present.get(f) != s]
+        bad = [f for f, m in rec["files"].items() if present.get(f) != m["bytes"]]
         if bad:
             log.warning("skipping %s: files missing or of the wrong size: %s", self.storage.url(rel), bad[:5])
             return None
-        rec["dir"] = rel
         return rec
 
     def clean_incomplete(self) -> None:
@@ -358,25 +359,49 @@ class CheckpointManager:
         ident = hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:12]
         return os.path.join(self.cfg.staging_dir, "restore", f"{rec['dir']}-{ident}")
 
-    def _download(self, rec: dict) -> str:
-        """One download per node (local rank 0); the other ranks of the node read the same copy."""
+    def _fetch(self, rec: dict) -> str:
+        """Put the commit's files in one local dir, every byte verified against the record. One copy
+        per node (local rank 0 makes it; the node's other ranks read it). Each file comes from the
+        node-local copy of that save when staging still holds it and it verifies, else from the
+        remote (the source of truth), hashed as it downloads."""
         local = self._restore_dir(rec)
         marker = os.path.join(local, ".complete")
         err = None
-        if self.local_rank == 0 and not os.path.exists(marker):
+        if self.local_rank == 0:
             try:
                 shutil.rmtree(local, ignore_errors=True)
-                for name, size in rec["files"].items():
-                    got = self.storage.get(f"{rec['dir']}/{name}", os.path.join(local, name))
-                    if got != size:
-                        raise OSError(f"{name}: downloaded {got} bytes, the commit says {size}")
+                os.makedirs(local)
+                kept = os.path.join(self.cfg.staging_dir, rec["dir"])
+                from_remote = []
+                for name, want in rec["files"].items():
+                    dst = os.path.join(local, name)
+                    why = _link_if_verified(os.path.join(kept, name), dst, want)
+                    if why is None:
+                        continue
+                    from_remote.append(f"{name} ({why})")
+                    got = self.storage.get(f"{rec['dir']}/{name}", dst)
+                    if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                        raise ChecksumMismatch(
+                            f"{self.storage.url(rec['dir'] + '/' + name)}: expected {want['bytes']} bytes "
+                            f"with {CHECKSUM} {want[CHECKSUM]}, got {got.size} bytes with {got.digest}"
+                        )
+                n_local = len(rec["files"]) - len(from_remote)
+                if from_remote:
+                    log.info(
+                        "restore %s: %d file(s) from the node-local copy, %d from the remote: %s",
+                        rec["dir"], n_local, len(from_remote), "; ".join(from_remote[:4]),
+                    )  # fmt: skip
+                else:
+                    log.info(
+                        "restore %s: all %d files from the node-local copy (verified)", rec["dir"], n_local
+                    )
                 open(marker, "w").close()
             except Exception as e:
                 err = e
         if self.world > 1:
             dist.barrier()
         if not os.path.exists(marker):
-            raise RuntimeError(f"download of {self.storage.url(rec['dir'])} failed: {err!r}")
+            raise RuntimeError(f"fetching {self.storage.url(rec['dir'])} failed: {err!r}")
         return local
 
     def restore(self, app: AppState, candidates: list[dict]) -> tuple[dict | None, list[str]]:
@@ -394,24 +419,25 @@ class CheckpointManager:
 
         for rec in candidates:
             err, local = None, None
+            reader = READERS[rec["format"]]()
             try:
-                local = self._download(rec)
+                local = self._fetch(rec)
             except Exception as e:
                 err = e
             if not self._agree(err is None):
                 fail(rec, err)
                 continue
-            template = app.template(self.backend.options, rec["world_size"])
+            template = app.template(reader.options, rec["world_size"])
             try:
-                sd = self.backend.prepare_load(template, local)
+                sd = reader.prepare_load(template, local)
             except Exception as e:
                 err = e
             if not self._agree(err is None):
                 fail(rec, err)
                 continue
             try:
-                self.backend.load(sd, local)
-                app.apply(sd, self.backend.options, rec["step"])
+                reader.load(sd, local)
+                app.apply(sd, reader.options, rec["step"])
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt | SystemExit):
                     raise
@@ -451,3 +477,23 @@ class CheckpointManager:
 
 def config_hash(resolved: dict) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _link_if_verified(path: str, dst: str, want: dict) -> str | None:
+    """Hard-link a node-local copy into the restore dir if its size and checksum match the record;
+    else say why not (the caller then reads the remote)."""
+    if not os.path.exists(path):
+        return "no local copy"
+    try:
+        try:
+            os.link(path, dst)  # verify the very bytes that will be read
+        except OSError:
+            shutil.copyfile(path, dst)
+        got = file_digest(dst)
+    except OSError as e:
+        got = e
+    if isinstance(got, OSError) or got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+        if os.path.exists(dst):
+            os.unlink(dst)
+        return "local copy unreadable" if isinstance(got, OSError) else "local copy differs from the commit"
+    return None

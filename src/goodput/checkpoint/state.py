@@ -2,13 +2,16 @@
 
 Layout (FQNs after DCP flattening):
     model.*            model weights (sharded under FSDP for DCP; full for torch_save)
-    optim.*            optimizer state, FQN-keyed (resharding-safe)
+    optim.state.*      optimizer state tensors, FQN-keyed (resharding-safe)
+    extra.param_groups the optimizer's param_groups (lr, betas, FQNs, ...): JSON in a uint8 tensor
     extra.<name>       global Stateful parts (data position, scheduler, ledger, ...): JSON in a uint8 tensor
     rank<r>.<name>     per-rank Stateful parts (RNG states): rank-indexed, because DCP de-duplicates
                        equal keys across ranks and would hand rank 0's value to every rank.
 
 Everything is a tensor on purpose: DCP stores non-tensors as pickled BYTE_IO and loads them with
-`torch.load(weights_only=False)`; with tensors only, loading never unpickles code.
+`torch.load(weights_only=False)`. `get_state_dict` returns the optimizer's param_groups as plain Python
+values, which would be exactly such entries, so they travel as JSON instead. With tensors only,
+loading never unpickles code (and the reader refuses BYTE_IO entries outright).
 """
 
 from __future__ import annotations
@@ -99,17 +102,31 @@ class RNGState:
         )
 
 
-class StatefulDict:
-    """Adapts an object with state_dict/load_state_dict whose state is JSON-friendly (LR scheduler)."""
+PARAM_GROUPS = "param_groups"
 
-    def __init__(self, obj):
-        self.obj = obj
 
-    def state_dict(self) -> dict:
-        return self.obj.state_dict()
+def _tensors_only(tree, path: str) -> None:
+    """A non-tensor leaf would be saved as a pickled BYTE_IO entry: refuse it when saving, by name."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _tensors_only(v, f"{path}.{k}")
+    elif not torch.is_tensor(tree):
+        raise TypeError(
+            f"checkpoint entry {path} is a {type(tree).__name__}, not a tensor: only tensors are saved "
+            f"(non-tensors would be pickled, and unpickling on load can run code)"
+        )
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.obj.load_state_dict(sd)
+
+def _restore_tuples(saved: list[dict], live: list[dict]) -> list[dict]:
+    """JSON turns tuples (Adam's betas) into lists: give values back the type the optimizer made."""
+    out = []
+    for g_saved, g_live in zip(saved, live):
+        g = dict(g_saved)
+        for k, v in g_live.items():
+            if isinstance(v, tuple) and isinstance(g.get(k), list):
+                g[k] = tuple(g[k])
+        out.append(g)
+    return out
 
 
 class AppState:
@@ -121,31 +138,44 @@ class AppState:
         self.rank_parts: dict[str, Stateful] = {}  # per rank
 
     def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+        if name == PARAM_GROUPS:
+            raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
 
     def state_dict(self, options: StateDictOptions) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
-        return {
+        sd = {
             "model": msd,
-            "optim": osd,
-            "extra": {k: encode(p.state_dict()) for k, p in self.parts.items()},
+            "optim": {"state": osd["state"]},
+            "extra": {
+                PARAM_GROUPS: encode(osd[PARAM_GROUPS]),
+                **{k: encode(p.state_dict()) for k, p in self.parts.items()},
+            },
             f"rank{self.rank}": {k: encode(p.state_dict()) for k, p in self.rank_parts.items()},
         }
+        _tensors_only(sd, "")
+        return sd
 
     def template(self, options: StateDictOptions, saved_world: int) -> dict:
         """What to load into: live model/optim tensors; None where sizes come from the checkpoint."""
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
-        sd = {"model": msd, "optim": osd, "extra": dict.fromkeys(self.parts)}
+        sd = {
+            "model": msd,
+            "optim": {"state": osd["state"]},
+            "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
+        }
         if self.rank < saved_world:
             sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
         return sd
 
     def apply(self, sd: dict, options: StateDictOptions, step: int) -> None:
+        live_groups = self.optimizer.state_dict()[PARAM_GROUPS]
+        groups = _restore_tuples(decode(sd["extra"][PARAM_GROUPS]), live_groups)
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=sd["model"],
-            optim_state_dict=sd["optim"],
+            optim_state_dict={"state": sd["optim"]["state"], PARAM_GROUPS: groups},
             options=options,
         )
         for k, p in self.parts.items():

@@ -1,0 +1,118 @@
+"""The checkpoint directory layout, in one place (the manager, the scripts and the tests use it).
+
+Under `checkpoint.dir` (a path or fsspec URL):
+    step-000000120/             one fresh directory per save
+        __0_0.distcp ...        DCP shards (or state.pt for torch_save)
+        .metadata               DCP's own marker, uploaded after every shard
+        ranks/<r>.json          rank r's manifest: its files, sizes and checksums, written after its upload
+        COMMIT.json             written last by rank 0 once every manifest is there
+    step-000000080.superseded-<time>/   an abandoned lineage, moved aside (never loaded, never deleted)
+    attempts/NNNN.json          one record per start of the run (restarts, lost steps)
+    LOCK.json                   the job holding the run
+
+A step directory is loadable only if COMMIT.json parses and passes `parse_commit`, and every file it
+lists downloads with its recorded size and checksum. Everything in COMMIT.json is treated as
+untrusted input: names are checked before they become local paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from goodput.storage import CHECKSUM
+
+COMMIT = "COMMIT.json"
+RANKS = "ranks"
+FORMATS = ("dcp", "torch_save")  # what a backend writes; dcp_sync and dcp_async share "dcp"
+
+# A file of a checkpoint is a plain name inside its step dir: no separators, no "..", nothing hidden
+# but DCP's `.metadata`. Anything else in a commit record is refused before it becomes a path.
+_FILE = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]{0,200})$")
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+
+class CommitError(ValueError):
+    """A commit record that is missing, malformed or inconsistent: the checkpoint is not loadable."""
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def check_file_name(name: object) -> str:
+    if not isinstance(name, str) or not _FILE.match(name) or ".." in name:
+        raise CommitError(f"file name {name!r} is not a plain file name")
+    return name
+
+
+def check_files(files: object, allow_empty: bool = False) -> dict[str, dict]:
+    """{name: {"bytes": int, "xxh3_128": hex}} with every part checked."""
+    if not isinstance(files, dict) or not (files or allow_empty):
+        raise CommitError("no file list")
+    out = {}
+    for name, entry in files.items():
+        check_file_name(name)
+        if not isinstance(entry, dict):
+            raise CommitError(f"{name}: no size and checksum (written by an older version without checksums)")
+        size, digest = entry.get("bytes"), entry.get(CHECKSUM)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CommitError(f"{name}: bad size {size!r}")
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            raise CommitError(f"{name}: bad {CHECKSUM} checksum {digest!r}")
+        out[name] = {"bytes": size, CHECKSUM: digest}
+    return out
+
+
+def parse_commit(data: bytes, rel: str) -> dict:
+    """Parse and check the COMMIT.json of step dir `rel`. Raises CommitError saying what is wrong."""
+    try:
+        rec = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CommitError(f"unreadable {COMMIT}: {e}") from e
+    if not isinstance(rec, dict):
+        raise CommitError(f"{COMMIT} is not an object")
+    step = rec.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step != parse_step(rel.rsplit("/", 1)[-1]):
+        raise CommitError(f"step {step!r} does not match the directory {rel}")
+    if rec.get("format") not in FORMATS:
+        raise CommitError(f"unknown checkpoint format {rec.get('format')!r}")
+    world = rec.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CommitError(f"bad world_size {world!r}")
+    if rec.get("checksum") != CHECKSUM:
+        raise CommitError(f"checksum algorithm {rec.get('checksum')!r}, expected {CHECKSUM}")
+    rec["files"] = check_files(rec.get("files"))
+    rec["dir"] = rel
+    return rec
+
+
+def commit_record(step: int, backend, world: int, files: dict[str, dict], info: dict) -> bytes:
+    record = {
+        **info,
+        "step": step,
+        "backend": backend.name,
+        "format": backend.format,
+        "world_size": world,
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files.values()),
+        "checksum": CHECKSUM,
+    }
+    return json.dumps(record, indent=1, sort_keys=True).encode()
+
+
+def manifest(files: dict[str, dict]) -> bytes:
+    return json.dumps({"files": files}).encode()
+
+
+def parse_manifest(data: bytes, rank: int) -> dict[str, dict]:
+    try:
+        return check_files(json.loads(data)["files"], allow_empty=True)
+    except (ValueError, KeyError, TypeError, CommitError) as e:
+        raise CommitError(f"{RANKS}/{rank}.json: {e}") from e
