@@ -15,6 +15,10 @@ The rows of one world size share a set of fresh processes and are interleaved sa
 on a noisy machine hits them alike. Every row starts with one uncounted warm-up save (the first
 dcp_async process-type save spawns its daemon, seconds). Figures are medians of --repeats saves.
 
+Part 3 prices the checksums: the same 1-rank saves (dcp_sync, dcp_async thread) with every file
+hashed as it uploads (what the manager does) and with hashing replaced by a plain copy, interleaved
+save by save; stall and time to commit, medians of --repeats.
+
 Part 2 trains a small model on random data, per backend (1 rank), alternating blocks of
 --save-every steps without saving and blocks that start with a save, and reports the mean step time
 of each and the mean of the 3 steps right after a save (a background write competes for CPU).
@@ -41,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torchvision  # noqa: E402
 
+from goodput import storage as storage_mod  # noqa: E402
 from goodput.bench import (  # noqa: E402
     bar_chart,
     clean_dist_env,
@@ -188,6 +193,52 @@ def _save_worker(rank: int, world: int, port: int, cfgs: list, a: dict, work: st
         shutdown_distributed()
 
 
+# -- part 3: what the checksums cost ---------------------------------------------------------------
+CHECKSUM_ROWS = [("dcp_sync", None, True), ("dcp_sync", None, False),
+                 ("dcp_async", "thread", True), ("dcp_async", "thread", False)]  # fmt: skip
+
+
+def _plain_copy(src, dst, chunk: int):
+    """The upload without hashing: same streaming copy, no checksum."""
+    n = 0
+    while buf := src.read(chunk):
+        dst.write(buf)
+        n += len(buf)
+    return storage_mod.Transfer(n, "0" * 32)
+
+
+def _checksum_worker(_: int, a: dict, work: str, result: str) -> None:
+    _env(0, 1, 0)
+    d = init_distributed()
+    hashing = storage_mod._copy_hashing
+    try:
+        model, opt = build(a["model"])
+        app = AppState(model, opt, d.rank)
+        mgrs = [
+            _manager(a, b, t, os.path.join(work, f"row{i}"), d) for i, (b, t, _) in enumerate(CHECKSUM_ROWS)
+        ]
+        samples = [{"stall": [], "commit": []} for _ in CHECKSUM_ROWS]
+        for rnd in range(a["repeats"] + 1):
+            for (_, _, on), mgr, smp in zip(CHECKSUM_ROWS, mgrs, samples):
+                storage_mod._copy_hashing = hashing if on else _plain_copy
+                t0 = time.perf_counter()
+                stall = mgr.save(rnd + 1, app)
+                mgr.wait()
+                if rnd:  # round 0 is the warm-up
+                    smp["stall"].append(stall)
+                    smp["commit"].append(time.perf_counter() - t0)
+        storage_mod._copy_hashing = hashing
+        rows = []
+        for (b, t, on), mgr, smp in zip(CHECKSUM_ROWS, mgrs, samples):
+            mgr.close()
+            rows.append({"label": label(b, None, t), "checksums": on, "stall_s": median(smp["stall"]),
+                         "commit_s": median(smp["commit"])})  # fmt: skip
+        write_json(result, {"rows": rows})
+    finally:
+        storage_mod._copy_hashing = hashing
+        shutdown_distributed()
+
+
 # -- part 2: step time while saving every N steps --------------------------------------------------
 def _train_worker(_: int, cfgs: list, a: dict, work: str, result: str) -> None:
     """One process, one model, a manager per backend. Each round, per backend: [N steps without
@@ -267,7 +318,8 @@ def main() -> int:
     p.add_argument("--train-batch", type=int, default=32)
     p.add_argument("--train-rounds", type=int, default=3, help="rounds of N plain steps + a save and N steps")
     p.add_argument("--save-every", type=int, default=10, help="N")
-    p.add_argument("--skip-train", action="store_true", help="only part 1")
+    p.add_argument("--skip-train", action="store_true", help="skip part 2")
+    p.add_argument("--skip-checksum", action="store_true", help="skip part 3")
     p.add_argument("--out", default="outputs/bench", help="JSON, PNG and scratch space go here")
     a = p.parse_args()
     if a.repeats < 1 or a.train_rounds < 1 or a.save_every <= AFTER:
@@ -278,7 +330,7 @@ def main() -> int:
     machine = machine_info()
     log(f"machine: {machine_line(machine)}")
 
-    rows, train = [], []
+    rows, train, sums = [], [], []
     work = tempfile.mkdtemp(prefix="ckpt-", dir=out)  # remotes and staging dirs; removed at the end
     try:
         for world in (1, 2):
@@ -297,6 +349,12 @@ def main() -> int:
             spawn(_train_worker, 1, (TRAIN_BACKENDS, args, os.path.join(work, "train"), result))
             with open(result) as f:
                 train = json.load(f)["rows"]
+        if not a.skip_checksum:
+            log(f"saving {a.model} with and without checksums, 1 rank ...")
+            result = os.path.join(work, "part3.json")
+            spawn(_checksum_worker, 1, (args, os.path.join(work, "sums"), result))
+            with open(result) as f:
+                sums = json.load(f)["rows"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows.sort(key=lambda r: CONFIGS.index((r["backend"], r["ranks"], r["async_type"])))
@@ -344,6 +402,20 @@ def main() -> int:
                     f"{r['commit_s']:.2f}s vs {base['commit_s']:.2f}s = {r['commit_vs_torch_save']:.2f}x",
                 )
             )
+
+    for on, off in zip(sums[::2], sums[1::2]):
+        on["stall_vs_without"] = ratio(on["stall_s"], off["stall_s"])
+        on["commit_vs_without"] = ratio(on["commit_s"], off["commit_s"])
+        targets.append(
+            target(
+                f"{on['label']} time-to-commit with checksums <= 1.1x without",
+                on["commit_vs_without"],
+                1.1,
+                on["commit_vs_without"] <= 1.1,
+                f"{on['commit_s']:.2f}s vs {off['commit_s']:.2f}s = {on['commit_vs_without']:.2f}x "
+                f"(stall {on['stall_s']:.3f}s vs {off['stall_s']:.3f}s)",
+            )
+        )
 
     gb = base["state_bytes_per_rank"] / 1e9
     head = (
@@ -429,6 +501,28 @@ def main() -> int:
             )
             + "\n"
         )
+    if sums:
+        print(
+            f"Checksums (xxh3_128, computed while each file uploads), {a.model}, 1 rank, medians of "
+            f"{a.repeats} saves, with and without interleaved:\n"
+        )
+        print(
+            markdown_table(
+                ["backend", "checksums", "stall s", "commit s", "stall / without", "commit / without"],
+                [
+                    [
+                        r["label"],
+                        "on" if r["checksums"] else "off",
+                        r["stall_s"],
+                        r["commit_s"],
+                        r.get("stall_vs_without", ""),
+                        r.get("commit_vs_without", ""),
+                    ]
+                    for r in sums
+                ],
+            )  # fmt: skip
+            + "\n"
+        )
     print("\n".join(target_line(t) for t in targets))
 
     report = {
@@ -437,6 +531,7 @@ def main() -> int:
         "state_bytes_per_rank": base["state_bytes_per_rank"],
         "rows": rows,
         "train": train,
+        "checksums": sums,
         "targets": targets,
         "notes": [
             "rows of one world size share fresh processes, interleaved save by save; "

@@ -14,7 +14,7 @@ from conftest import REPO
 from goodput.bench import markdown_table, median, ratio
 
 
-def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -85,8 +85,12 @@ def test_bench_checkpoint_smoke(tmp_path):
         for k in ("step_s_no_save", "step_s_with_save", "stall_s_mean", "after_save_step_s", "other_step_s"):
             assert positive(r[k]), (r["label"], k, r[k])
         assert r["saves"] == 2
-    assert len(report["targets"]) == 9 and report["machine"]["cpu_count"] >= 1
-    assert p.stdout.count("PASS") + p.stdout.count("MISS") == 9
+    sums = {(r["label"], r["checksums"]): r for r in report["checksums"]}
+    assert set(sums) == {(b, on) for b in ("dcp_sync", "dcp_async/thread") for on in (True, False)}
+    assert all(positive(r["stall_s"]) and r["commit_s"] >= r["stall_s"] for r in sums.values())
+    assert positive(sums[("dcp_sync", True)]["commit_vs_without"])
+    assert len(report["targets"]) == 11 and report["machine"]["cpu_count"] >= 1
+    assert p.stdout.count("PASS") + p.stdout.count("MISS") == 11
     assert not any(tmp_path.glob("ckpt-*")), "scratch space left behind"
 
 

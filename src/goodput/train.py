@@ -24,6 +24,7 @@ from goodput import loop
 from goodput.accounting import Attempts, Ledger, plot
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.checkpoint.manager import config_hash
+from goodput.checkpoint.resume import explicit_checkpoint, resume
 from goodput.config import validate
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.data.synthetic import make_dataset
@@ -95,9 +96,7 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
     if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
         ck = c["checkpoint"]
         explicit_checkpoint(
-            CheckpointManager(_ckpt_config(c), store, BACKENDS[ck["backend"]](**ck), 0, 1, 0),
-            resume,
-            ck["dir"],
+            CheckpointManager(_ckpt_config(c), store, BACKENDS[ck["backend"]](**ck), 0, 1, 0), resume
         )
     if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c["run"]["overwrite"]:
@@ -242,49 +241,6 @@ class Trainer:
         self.loader.close()
 
 
-def resume_spec(c: dict) -> str:
-    """run.resume as it applies to this attempt: an elastic restart always continues from the
-    newest commit (re-applying `none` or an explicit step would throw the progress away)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return "auto"
-    return str(c["run"]["resume"])
-
-
-def explicit_checkpoint(mgr: CheckpointManager, resume: str, ckpt_dir: str) -> dict:
-    """`run.resume=<path>` must name a committed step dir of this run's checkpoint.dir."""
-    parent, name = os.path.split(resume.rstrip("/"))
-    if parent and os.path.normpath(parent) != os.path.normpath(ckpt_dir):
-        raise FileNotFoundError(f"run.resume={resume}: not a step dir of checkpoint.dir={ckpt_dir}")
-    rec = mgr.read_commit(name)
-    if rec is None:
-        raise FileNotFoundError(
-            f"run.resume={resume}: not a committed checkpoint in checkpoint.dir={ckpt_dir}"
-        )
-    return rec
-
-
-def _candidates(t: Trainer, c: dict) -> list[dict]:
-    """Rank 0 decides what to try; every rank gets the same list (or the same error)."""
-    resume = resume_spec(c)
-    out = [None, None]
-    if t.dist.rank == 0:
-        try:
-            if resume == "auto":
-                t.ckpt.clean_incomplete()
-                out[0] = t.ckpt.committed()
-            elif resume == "none":
-                out[0] = []
-            else:
-                out[0] = [explicit_checkpoint(t.ckpt, resume, c["checkpoint"]["dir"])]
-        except Exception as e:
-            out[1] = f"{type(e).__name__}: {e}"
-    if t.dist.world > 1:
-        dist.broadcast_object_list(out, src=0)
-    if out[1] is not None:
-        raise RuntimeError(f"could not list checkpoints: {out[1]}")
-    return out[0]
-
-
 def worker(c: dict) -> dict | None:
     """One rank of the job. Returns the summary on rank 0."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
@@ -305,22 +261,13 @@ def worker(c: dict) -> dict | None:
     t = None
     try:
         t = Trainer(c, d)
-        candidates = _candidates(t, c)
-        rec, skipped = t.ckpt.restore(t.app, candidates)
-        for s in skipped:
-            log.warning("could not load checkpoint %s; falling back to the previous one", s)
-        if resume_spec(c) not in ("auto", "none") and rec is None:
-            raise RuntimeError(f"run.resume={c['run']['resume']} could not be loaded: {skipped}")
-        if skipped and rec is None:  # a failed load may have touched the state: rebuild it fresh
-            log.warning("no committed checkpoint could be loaded: starting from scratch")
+        rec, touched = resume(t.ckpt, t.app, c["run"]["resume"])
+        if touched:  # a failed load may have written into the live state: rebuild it fresh
             t.close()
             t = Trainer(c, d)
         resumed = rec["step"] if rec else None
-        if d.rank == 0 and resume_spec(c) != "none":
-            t.ckpt.supersede_after(resumed if resumed is not None else -1)
         if rec:
             t.ledger.resumed_from.append(rec["step"])
-            log.info("resumed from %s (step %d)", t.ckpt_store.url(rec["dir"]), rec["step"])
         info = [0, t_start]  # (restarts so far, when the run first started), rank 0's view
         if d.rank == 0:
             info = [t.attempts.begin(resumed), min([t_start] + [a["start"] for a in t.attempts.previous()])]
