@@ -275,16 +275,21 @@ def test_simulation_is_seeded_and_weibull_shape_matters() -> None:
     assert bursty["goodput_std"] > 1.3 * poisson["goodput_std"]  # clustered failures: wider spread
 
 
-def test_restart_cost_from_the_ledger() -> None:
+def test_restart_cost_from_the_ledger_and_the_attempt_records() -> None:
     m = {"goodput/restarts": 2, "goodput/startup_seconds": 9.0, "goodput/lost_seconds": 30.0}
-    m |= {"goodput/lost_steps": 20, "goodput/productive_seconds": 90.0, "goodput/fetch_seconds": 10.0}
-    r = restart_cost(m, steps=200)  # a step costs 0.5 s; 20 redone = 10 s; (30 - 10) / 2 = 10 s gap
-    assert r["restart_gap_seconds"] == pytest.approx(10) and r[
-        "startup_seconds_per_attempt"
-    ] == pytest.approx(3)
-    assert r["restart_seconds"] == pytest.approx(13) and "lost_seconds" in r["restart_source"]
+    m |= {"goodput/lost_steps": 20, "goodput/productive_seconds": 100.0}
+    r = restart_cost(m, steps=200)  # a step computes 0.5 s; 20 redone = 10 s; (30 - 10) / 2 restarts
+    assert r["restart_seconds"] == r["restart_seconds_ledger"] == pytest.approx(10)
+    assert r["restart_source"].startswith("ledger: (lost_seconds")
     r = restart_cost({"goodput/restarts": 0, "goodput/startup_seconds": 4.0}, steps=200)
     assert r["restart_seconds"] == 4.0 and "no restarts" in r["restart_source"]
+    # With the heartbeat records: last sign of life of each crashed attempt to the next one's start.
+    records = [{"attempt": 0, "start": 0.0, "last_seen": 100.0}, {"attempt": 1, "start": 121.0}]
+    records[1]["last_seen"] = 150.0
+    records.append({"attempt": 2, "start": 165.0})
+    r = restart_cost(m, steps=200, records=records)
+    assert r["restart_seconds"] == r["restart_seconds_attempts"] == pytest.approx((21 + 15) / 2)
+    assert r["restart_seconds_ledger"] == pytest.approx(10) and "attempt records" in r["restart_source"]
 
 
 def test_cli_json_keys(capsys) -> None:
@@ -324,7 +329,8 @@ def test_cli_plan_table(capsys) -> None:
     assert llama_4k[0]["mtbf_hours"] == pytest.approx(24 / 2.15)
     assert main(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("| ") for line in table) == 1 + 8 and "| AFR 0.01 | 1,024 |" in table[4]
+    assert sum(line.startswith("| ") for line in table) == 1 + 4 and "| AFR 0.01 | 1,024 |" in table[4]
+    assert "restart 9 s: goodput mean (closed form)" in table[2] and table[2].count("GPU-h lost") == 2
 
 
 @pytest.mark.parametrize(
@@ -382,6 +388,7 @@ def test_cli_plan_table(capsys) -> None:
             "--days",
         ),
         (["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--seed", "-1"], "--seed"),
+        (["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--gpus", "0"], "--gpus"),
         (["simulate", "--interruptions-per-day", "8.6"], "--interval-minutes"),  # free saves: no Young/Daly
         (
             [

@@ -1,4 +1,4 @@
-"""What a finished run measured, for `advise`: its save stall and its restart cost, from MLflow."""
+"""What a finished run measured, for `advise`: its save stall, commit delay and restart cost."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import os
 from goodput.calculator import InputError
 
 
+def _is_dir(run: str) -> bool:
+    return "://" in run or os.path.isdir(run)
+
+
 def run_id(run: str) -> str:
     """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
-    if "://" in run or os.path.isdir(run):
+    if _is_dir(run):
         from goodput.storage import Storage
 
         store = Storage(run)
@@ -23,34 +27,49 @@ def run_id(run: str) -> str:
     return run
 
 
-def restart_cost(metrics: dict[str, float], steps: int) -> dict[str, float | str]:
-    """Seconds from a failure until training resumes, from the ledger's `goodput/*` totals.
+def attempts(run: str) -> list[dict]:
+    """The per-attempt heartbeat records beside a run's checkpoints (none for a bare run id)."""
+    if not _is_dir(run):
+        return []
+    from goodput.storage import Storage
 
-    With restarts: what `lost_seconds` holds beyond the redone steps (the gap from the crash to the
-    new worker: detection, respawn, imports), per restart, plus start-up per attempt (rendezvous,
-    data listing, restore; the ledger books that as start-up, not lost). A redone step costs what a
-    step costs: compute plus waiting for its batch. Without restarts only start-up per attempt is
-    known, so the gap is missing and the cost is a floor.
+    store, out = Storage(run), []
+    for name in sorted(store.ls("attempts")):
+        try:
+            out.append(json.loads(store.read_bytes(f"attempts/{name}")))
+        except (FileNotFoundError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r["attempt"])
+
+
+def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()) -> dict[str, float | str]:
+    """Seconds from a failure until training resumes, and where the number comes from.
+
+    From the ledger (`goodput/*` metrics): with restarts, (lost_seconds - lost_steps x mean productive
+    step seconds) / restarts, the part of the lost time that is not redone steps; without restarts,
+    start-up seconds per attempt (a floor: the crash-to-relaunch gap is unknown). The ledger's lost
+    time also holds whatever the loop did outside its categories (logging, heartbeats), and start-up
+    of the resumed attempt is booked as start-up, so both are estimates. When the attempt records are
+    at hand (RUN given as a checkpoint dir), the restart cost is measured directly instead: from the
+    crashed attempt's last heartbeat to the next attempt's start, which is after its restore.
     """
     restarts = int(metrics.get("goodput/restarts", 0))
-    startup = metrics.get("goodput/startup_seconds", 0.0) / (1 + restarts)
-    out: dict[str, float | str] = {"startup_seconds_per_attempt": startup, "restarts": restarts}
+    out: dict[str, float | str] = {"restarts": restarts}
     if restarts > 0 and steps > 0:
-        step_s = (
-            metrics.get("goodput/productive_seconds", 0.0) + metrics.get("goodput/fetch_seconds", 0.0)
-        ) / steps
+        step_s = metrics.get("goodput/productive_seconds", 0.0) / steps
         redone = metrics.get("goodput/lost_steps", 0.0) * step_s
-        gap = max(0.0, metrics.get("goodput/lost_seconds", 0.0) - redone) / restarts
-        out.update(
-            restart_seconds=gap + startup,
-            restart_gap_seconds=gap,
-            restart_source="(lost_seconds - lost_steps x mean step seconds) / restarts + start-up/attempt",
-        )
+        ledger = max(0.0, metrics.get("goodput/lost_seconds", 0.0) - redone) / restarts
+        source = "ledger: (lost_seconds - lost_steps x mean productive step seconds) / restarts"
     else:
-        out.update(
-            restart_seconds=startup,
-            restart_source="start-up seconds per attempt (no restarts: the crash-to-relaunch gap is missing)",
-        )
+        ledger = metrics.get("goodput/startup_seconds", 0.0) / (1 + restarts)
+        source = "ledger: start-up seconds per attempt (no restarts: the crash-to-relaunch gap is missing)"
+    out["restart_seconds_ledger"] = ledger
+    gaps = [b["start"] - a["last_seen"] for a, b in zip(records, records[1:]) if "last_seen" in a]
+    if gaps:
+        out["restart_seconds_attempts"] = out["restart_seconds"] = sum(gaps) / len(gaps)
+        out["restart_source"] = f"attempt records: last heartbeat to the next attempt's start ({len(gaps)})"
+    else:
+        out.update(restart_seconds=ledger, restart_source=source)
     return out
 
 
@@ -76,4 +95,4 @@ def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
     # The ledger is logged once at the end, at the step count the run reached.
     steps = max(m.step for m in client.get_metric_history(rid, "goodput/productive_seconds"))
     return {"run_id": rid, "save_stall_seconds": stall, "commit_delay_seconds": commit, "steps": steps,
-            **restart_cost(metrics, steps)}  # fmt: skip
+            **restart_cost(metrics, steps, attempts(run))}  # fmt: skip

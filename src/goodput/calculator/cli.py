@@ -100,6 +100,8 @@ def _rate(
     a: argparse.Namespace, required: str = "interruptions_per_day", default_afr: float | None = None
 ) -> Rate:
     """Resolve the one failure rate the user gave; a bad or missing combination names its flag."""
+    if a.gpus is not None:  # also when it only scales GPU-hours: a zero must not pass as "one GPU"
+        calc._count("gpus", a.gpus)
     sources = [n for n in ("interruptions_per_day", "mtbf_hours", "afr", "cluster_gpus") if _given(a, n)]
     for n in ("cluster_mtbf_hours", "cluster_interruptions_per_day"):
         if _given(a, n) and not _given(a, "cluster_gpus"):
@@ -215,7 +217,7 @@ def _optimal(a: argparse.Namespace) -> Result:
         a.save_stall_seconds, rate.mtbf_hours, _restart_minutes(a), a.commit_delay_seconds
     )
     text = "\n".join(rate.lines + [
-        f"Checkpoint every {r['interval_minutes']:.1f} min (Young/Daly) for goodput {r['goodput']:.1%}"
+        f"Checkpoint every {r['interval_minutes']:.3g} min (Young/Daly) for goodput {r['goodput']:.1%}"
     ])  # fmt: skip
     return {**r, **rate.payload()}, text
 
@@ -263,7 +265,7 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     _json_flag(p)
 
 
-def _recommended(stall: float, rate: Rate, restart: float, a: argparse.Namespace) -> float:
+def _recommended(stall: float, rate: Rate, restart: float) -> float:
     if rate.interruptions_per_day == 0:
         raise InputError("interval_minutes", "is required when there are no failures")
     if stall == 0:
@@ -314,7 +316,7 @@ def _simulate(a: argparse.Namespace) -> Result:
     interval = a.interval_minutes
     lines = list(rate.lines)
     if interval is None:
-        interval = _recommended(a.save_stall_seconds, rate, restart, a)
+        interval = _recommended(a.save_stall_seconds, rate, restart)
         lines.append(f"Young/Daly interval for a {a.save_stall_seconds:g} s stall: {interval:.3g} min")
     s = _run_simulation(a, rate, interval, a.save_stall_seconds, restart, a.commit_delay_seconds)
     return {**s, **rate.payload(), "gpus": s["gpus"]}, "\n".join(lines + _sim_text(s))
@@ -385,7 +387,7 @@ def _plan(a: argparse.Namespace) -> Result:
     ):
         per_day = _given(a, "cluster_interruptions_per_day")
         what = f"{a.cluster_interruptions_per_day:g}/day" if per_day else f"MTBF {a.cluster_mtbf_hours:g} h"
-        scenarios.append(("cluster", None, f"{what} at {a.cluster_gpus} GPUs"))
+        scenarios.append(("cluster", None, f"{what} at {a.cluster_gpus:,} GPUs"))
     if not scenarios:
         raise InputError("afr", "(or --cluster-gpus with its rate) is required")
     a.flag_for = {"restart_minutes": "restart_seconds"}
@@ -402,22 +404,24 @@ def _plan(a: argparse.Namespace) -> Result:
                 ns = argparse.Namespace(**{**vars(a), "gpus": gpus, **only})
                 rate = _rate(ns)
                 stall, restart = a.save_stall_seconds, restart_s / 60
-                interval = _recommended(stall, rate, restart, a)
+                interval = _recommended(stall, rate, restart)
                 s = _run_simulation(a, rate, interval, stall, restart, a.commit_delay_seconds)
                 row = {"failure_rate": label, "gpus": gpus, "afr": rate.afr, "restart_seconds": restart_s}
                 rows.append({**row, "mtbf_hours": rate.mtbf_hours, **{k: s[k] for k in _PLAN_KEYS}})
-    head = ["failure rate", "GPUs", "job MTBF h", "failures / run", "restart s", "interval min"]
-    head += ["goodput (closed form)", "goodput mean", "goodput p10", "GPU-h lost mean", "GPU-h lost p90"]
+    # One line per (rate, GPUs); the restart costs side by side (the interval does not depend on them).
+    head = ["failure rate", "GPUs", "job MTBF h", "failures / run", "interval min"]
+    for restart_s in a.restart_seconds:
+        r = f"restart {restart_s:g} s"
+        head += [f"{r}: goodput mean (closed form)", "p10", "GPU-h lost mean / p90"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
+    per = len(a.restart_seconds)
+    for i in range(0, len(rows), per):
+        r = rows[i]
         cells = [r["failure_rate"], f"{r['gpus']:,}", f"{r['mtbf_hours']:.3g}", f"{r['failures_mean']:.3g}"]
-        cells += [
-            f"{r['restart_seconds']:g}",
-            f"{r['interval_minutes']:.2f}",
-            f"{r['closed_form_goodput']:.2%}",
-        ]
-        cells += [f"{r['goodput_mean']:.2%}", f"{r['goodput_p10']:.2%}", f"{r['lost_gpu_hours_mean']:,.0f}"]
-        cells.append(f"{r['lost_gpu_hours_p90']:,.0f}")
+        cells.append(f"{r['interval_minutes']:.2f}")
+        for r in rows[i : i + per]:
+            cells += [f"{r['goodput_mean']:.2%} ({r['closed_form_goodput']:.2%})", f"{r['goodput_p10']:.2%}"]
+            cells.append(f"{r['lost_gpu_hours_mean']:,.0f} / {r['lost_gpu_hours_p90']:,.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     setup = (
         f"{a.days:g} days, {a.save_stall_seconds:g} s save stall, committed "
