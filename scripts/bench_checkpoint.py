@@ -26,27 +26,22 @@ of each and the mean of the 3 steps right after a save (a background write compe
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# scripts/goodput.py shares the package's name; keep this folder off the import path.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torchvision  # noqa: E402
-
-from goodput import storage as storage_mod  # noqa: E402
-from goodput.bench import (  # noqa: E402
+from goodput import storage as storage_mod
+from goodput.bench import (
     bar_chart,
     clean_dist_env,
     free_port,
@@ -61,9 +56,9 @@ from goodput.bench import (  # noqa: E402
     timed,
     write_json,
 )
-from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, step_dir  # noqa: E402
-from goodput.parallel import init_distributed, shutdown_distributed  # noqa: E402
-from goodput.storage import Storage, StorageConfig  # noqa: E402
+from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, step_dir
+from goodput.parallel import init_distributed, shutdown_distributed
+from goodput.storage import Storage, StorageConfig
 
 # (backend, ranks, async_type): the rows of part 1, in order.
 CONFIGS = [

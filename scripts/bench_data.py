@@ -16,23 +16,18 @@ prefetch_threads (one run per cell) to show what to set.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# scripts/goodput.py shares the package's name; keep this folder off the import path.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from goodput.bench import (  # noqa: E402
+from goodput.bench import (
     bar_chart,
     log,
     machine_info,
@@ -44,9 +39,9 @@ from goodput.bench import (  # noqa: E402
     target_line,
     write_json,
 )
-from goodput.data.loader import DataConfig, ResumableLoader  # noqa: E402
-from goodput.data.synthetic import make_dataset  # noqa: E402
-from goodput.storage import Storage, StorageConfig  # noqa: E402
+from goodput.data.loader import DataConfig, ResumableLoader
+from goodput.data.synthetic import make_dataset
+from goodput.storage import Storage, StorageConfig
 
 ROWS = ["remote", "cached cold", "cached warm", "floor"]
 

@@ -14,20 +14,15 @@ loaded, so they fail the check only when named directly.
 import argparse
 import json
 import os
-import sys
 import tempfile
-from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
-
-from goodput.checkpoint.backends import SafeFileSystemReader  # noqa: E402
-from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step  # noqa: E402
-from goodput.storage import CHECKSUM, Storage  # noqa: E402
+from goodput.checkpoint.backends import SafeFileSystemReader
+from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
+from goodput.storage import CHECKSUM, Storage
 
 
 def status(store: Storage, name: str) -> dict:

@@ -4,13 +4,8 @@ python scripts/make_dataset.py --root outputs/remote/data/mine --num-classes 10 
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
-
-from goodput.data.synthetic import make_dataset  # noqa: E402
+from goodput.data.synthetic import make_dataset
 
 
 def main() -> None:

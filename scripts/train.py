@@ -9,20 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-# scripts/goodput.py shares the package's name; keep this folder off the import path.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
-from goodput.config import ConfigError  # noqa: E402
-from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
-from goodput.lock import RunLocked  # noqa: E402
-from goodput.train import AlreadyDone, prepare  # noqa: E402
+from goodput.checkpoint.manager import IncompatibleCheckpoint
+from goodput.config import ConfigError
+from goodput.launch import RendezvousUnreachable, launch
+from goodput.lock import RunLocked
+from goodput.train import AlreadyDone, prepare
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")

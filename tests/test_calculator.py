@@ -1,4 +1,4 @@
-"""Calculator numbers against the article's figures, plus the CLI end to end."""
+"""Calculator: the article's figures, AFR as a rate, the Monte-Carlo against the closed forms, the CLI."""
 
 from __future__ import annotations
 
@@ -7,18 +7,27 @@ import math
 import os
 import subprocess
 import sys
+import tomllib
+from importlib import import_module
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from goodput import calculator
 from goodput.calculator import (
+    afr_from_cluster,
+    afr_from_interruptions,
     failure_probability,
     goodput,
     interruptions_per_day_from_afr,
     mtbf_hours_from_afr,
     optimal_interval,
+    renewal_goodput,
 )
+from goodput.calculator.advise import restart_cost
+from goodput.calculator.cli import main
+from goodput.calculator.simulate import simulate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,8 +114,10 @@ def test_more_gpus_fail_more() -> None:
     [
         (lambda: failure_probability(0, 30, 0.01), "gpus"),
         (lambda: failure_probability(8, -1, 0.01), "days"),
-        (lambda: failure_probability(8, 30, 1.5), "afr"),
         (lambda: failure_probability(8, 30, -0.1), "afr"),
+        (lambda: failure_probability(8, 30, float("nan")), "afr"),
+        (lambda: failure_probability(8, 30, float("inf")), "afr"),
+        (lambda: failure_probability(8.5, 30, 0.01), "gpus"),
         (lambda: goodput(-1, 30), "interruptions_per_day"),
         (lambda: goodput(8.6, 0), "interval_minutes"),
         (lambda: goodput(8.6, 30, save_stall_seconds=-1), "save_stall_seconds"),
@@ -116,6 +127,21 @@ def test_more_gpus_fail_more() -> None:
         (lambda: optimal_interval(2, float("nan")), "mtbf_hours"),
         (lambda: mtbf_hours_from_afr(8, 0), "afr"),
         (lambda: interruptions_per_day_from_afr(-8, 0.01), "gpus"),
+        (lambda: goodput(8.6, 0.01, save_stall_seconds=1), "interval_minutes"),  # 0.6 s < 1 s stall
+        (lambda: goodput(8.6, 1, save_stall_seconds=60), "interval_minutes"),  # no room for work
+        (lambda: goodput(48, 30, restart_minutes=30), "restart_minutes"),  # restart = MTBF
+        (lambda: renewal_goodput(8.6, 1, save_stall_seconds=60), "interval_minutes"),
+        (lambda: optimal_interval(2, 1, restart_minutes=90), "restart_minutes"),
+        (lambda: afr_from_cluster(0, 1.9), "cluster_gpus"),
+        (lambda: afr_from_cluster(608, float("nan")), "cluster_mtbf_hours"),
+        (lambda: afr_from_interruptions(16384, -1), "cluster_interruptions_per_day"),
+        (lambda: simulate(8.6, 30, trials=0), "trials"),
+        (lambda: simulate(8.6, 30, days=0), "days"),
+        (lambda: simulate(8.6, 30, gpus=0), "gpus"),
+        (lambda: simulate(8.6, 30, weibull_shape=float("nan")), "weibull_shape"),
+        (lambda: simulate(8.6, 0.5, save_stall_seconds=30), "interval_minutes"),
+        (lambda: simulate(8.6, 30, restart_minutes=200), "restart_minutes"),
+        (lambda: simulate(3456, 0.1, trials=10_000), "trials"),  # ~1e9 draws: refuse rather than crawl
     ],
 )
 def test_invalid_input_names_the_argument(call, argument: str) -> None:
@@ -135,53 +161,280 @@ def test_article_tables_and_markdown() -> None:
     assert "| gpus | probability |" in md and "| 1024 | 0.569 |" in md and "| 30 | 2.150 | 0.910 |" in md
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "scripts/goodput.py", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+def test_afr_is_a_rate_and_a_cluster_mtbf_converts_to_it() -> None:
+    # The article's 608-GPU H100 system failing every 1.9 h: 7.6 failures per GPU-year, far above 1.
+    afr = afr_from_cluster(608, 1.9)
+    assert afr == pytest.approx(8760 / (608 * 1.9)) and afr > 1
+    # Same GPUs, same rate: the job's MTTF is the cluster's; scaled by GPU count elsewhere.
+    assert mtbf_hours_from_afr(608, afr) == pytest.approx(1.9)
+    assert mtbf_hours_from_afr(4096, afr) == pytest.approx(1.9 * 608 / 4096)
+    assert failure_probability(608, 1.9 / 24, afr) == pytest.approx(1 - math.exp(-1))
+    # Llama 3: 8.6 interruptions/day at 16,384 GPUs is a 19 % AFR; at 4,096 GPUs a quarter of the rate.
+    llama = afr_from_interruptions(16384, 8.6)
+    assert llama == pytest.approx(8.6 * 365 / 16384)
+    assert interruptions_per_day_from_afr(4096, llama) == pytest.approx(8.6 / 4)
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_cluster_mtbf_gives_the_same_job_mttf_as_the_equivalent_afr(capsys) -> None:
+    cluster = run_json(capsys, "failure", "--gpus", "4096", "--days", "1", "--cluster-gpus", "608",
+                       "--cluster-mtbf-hours", "1.9")  # fmt: skip
+    same = run_json(
+        capsys, "failure", "--gpus", "4096", "--days", "1", "--afr", str(afr_from_cluster(608, 1.9))
+    )
+    assert cluster["mtbf_hours"] == pytest.approx(1.9 * 608 / 4096) == pytest.approx(same["mtbf_hours"])
+    assert cluster["probability"] == pytest.approx(same["probability"])
+    assert cluster["afr"] == pytest.approx(same["afr"]) and cluster["cluster_mtbf_hours"] == 1.9
+    per_day = run_json(capsys, "optimal-interval", "--save-stall-seconds", "1", "--gpus", "4096",
+                       "--cluster-gpus", "16384", "--cluster-interruptions-per-day", "8.6")  # fmt: skip
+    assert per_day["mtbf_hours"] == pytest.approx(24 / (8.6 / 4))
+    assert per_day["interval_minutes"] == pytest.approx(optimal_interval(1, 24 / 2.15)["interval_minutes"])
+
+
+def test_cli_prints_the_derivation(capsys) -> None:
+    assert main(["failure", "--gpus", "4096", "--days", "30", "--cluster-gpus", "608",
+                 "--cluster-mtbf-hours", "1.9"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "7.583 failures per GPU-year" in out and "independently" in out
+    assert "one every 0.282 h (the job's MTTF)" in out
+
+
+def test_renewal_goodput_is_the_exact_form_of_the_first_order_one() -> None:
+    assert renewal_goodput(0, 10, save_stall_seconds=6) == pytest.approx(0.99)
+    # Rare failures within an interval: the two agree; frequent ones: first order is pessimistic.
+    assert renewal_goodput(1, 5, 1, 1) == pytest.approx(goodput(1, 5, 1, 1)["goodput"], abs=1e-4)
+    assert renewal_goodput(8.6, 120) == pytest.approx(0.684, abs=0.001)
+    assert renewal_goodput(8.6, 120) > goodput(8.6, 120)["goodput"] + 0.04
+
+
+@pytest.mark.parametrize("args", [(8.6, 15, 0, 0), (8.6, 5, 1, 1), (2, 30, 10, 5)])
+def test_simulation_mean_matches_the_closed_form(args) -> None:
+    r = simulate(*args, trials=2000, seed=1)
+    # Failures rare within an interval (8.6/day at 15 min: 9 %): first order within a point ...
+    assert abs(r["goodput_mean"] - r["closed_form_goodput"]) < 0.01
+    # ... and the exact renewal form within sampling error (mean of a 30-day window vs the long run).
+    assert abs(r["renewal_difference"]) < 4 * r["goodput_sem"] + 2e-4
+    assert r["goodput_p10"] <= r["goodput_p50"] <= r["goodput_p90"]
+    assert r["lost_gpu_hours_p10"] <= r["lost_gpu_hours_mean"] * 1.5
+
+
+def test_simulation_matches_the_exact_form_where_first_order_is_off() -> None:
+    # 100 failures/day, 5 min intervals, 1 s saves, 2 min restarts (failures hit restarts too).
+    r = simulate(100, 5, 1, 2, trials=1000, seed=2)
+    assert r["closed_form_difference"] > 0.03  # the first-order form is 4 points pessimistic here
+    assert abs(r["renewal_difference"]) < 4 * r["goodput_sem"] + 2e-4
+    # Where the time went adds up to the window: compute that survives + redone + restarting + saving.
+    accounted = (
+        r["goodput_mean"] * 24 * 30 + r["redone_hours_mean"] + r["restart_hours_mean"] + r["stall_hours_mean"]
+    )
+    assert accounted == pytest.approx(24 * 30)
+    assert r["failures_mean"] == pytest.approx(100 * 30, rel=0.01)
+
+
+def test_a_late_commit_costs_its_delay_per_failure() -> None:
+    # An async save commits after its upload: a failure in that window reaches back one more save.
+    r = goodput(8.6, 30, save_stall_seconds=0.1, commit_delay_seconds=36)
+    assert r["lost_hours_per_day"] == pytest.approx(8.6 * (15 + 0.6) / 60)
+    late = simulate(8.6, 5, 0.1, 0.15, commit_delay_seconds=8, trials=2000, seed=5)
+    now = simulate(8.6, 5, 0.1, 0.15, trials=2000, seed=5)  # same seed: the same failure times
+    extra = late["redone_hours_mean"] - now["redone_hours_mean"]
+    assert extra == pytest.approx(now["failures_mean"] * 8 / 3600, rel=0.05)
+    assert abs(late["closed_form_difference"]) < 0.001 and late["renewal_goodput"] is None
+    assert optimal_interval(0.1, 24, commit_delay_seconds=8)["interval_minutes"] == pytest.approx(
+        optimal_interval(0.1, 24)["interval_minutes"]
     )
 
 
-def test_cli_failure_json() -> None:
-    out = run_cli("failure", "--gpus", "256", "--days", "30", "--afr", "0.01", "--json")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"probability": pytest.approx(0.19, abs=0.005)}
+def test_simulation_without_failures_pays_only_the_stall() -> None:
+    r = simulate(0, 10, save_stall_seconds=6, days=1, gpus=8, trials=5)
+    assert r["goodput_mean"] == r["goodput_p10"] == pytest.approx(0.99)
+    assert r["lost_gpu_hours_mean"] == pytest.approx(8 * 24 * 0.01)
 
 
-def test_cli_goodput_json() -> None:
-    out = run_cli("goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "120", "--json")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == goodput(8.6, 120)
+def test_simulation_spread_shrinks_with_more_trials() -> None:
+    def spread(trials: int) -> float:
+        return float(np.std([simulate(8.6, 30, trials=trials, seed=s)["goodput_mean"] for s in range(8)]))
+
+    small, large = spread(100), spread(1600)
+    assert large < small / 2  # 16x the trials: ~1/4 the spread of the mean across seeds
+    assert simulate(8.6, 30, trials=1600)["goodput_sem"] < simulate(8.6, 30, trials=100)["goodput_sem"] / 2
 
 
-def test_cli_optimal_interval_json() -> None:
-    out = run_cli("optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "24", "--json")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == optimal_interval(2, 24)
+def test_simulation_is_seeded_and_weibull_shape_matters() -> None:
+    assert simulate(8.6, 30, trials=200, seed=3) == simulate(8.6, 30, trials=200, seed=3)
+    assert simulate(8.6, 30, trials=200, seed=3) != simulate(8.6, 30, trials=200, seed=4)
+    exponential = simulate(8.6, 30, trials=200, weibull_shape=1)
+    assert exponential == {**simulate(8.6, 30, trials=200), "weibull_shape": 1}
+    bursty = simulate(8.6, 30, trials=2000, weibull_shape=0.5)
+    poisson = simulate(8.6, 30, trials=2000)
+    assert bursty["failures_mean"] == pytest.approx(poisson["failures_mean"], rel=0.05)  # same mean rate
+    assert bursty["goodput_std"] > 1.3 * poisson["goodput_std"]  # clustered failures: wider spread
 
 
-def test_cli_human_and_tables() -> None:
-    out = run_cli("goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "30")
-    assert out.returncode == 0 and len(out.stdout.strip().splitlines()) == 1 and "91.0%" in out.stdout
-    out = run_cli("tables")
-    assert out.returncode == 0 and out.stdout == calculator.markdown(calculator.article_tables())
+def test_restart_cost_from_the_ledger_and_the_attempt_records() -> None:
+    m = {"goodput/restarts": 2, "goodput/startup_seconds": 9.0, "goodput/lost_seconds": 30.0}
+    m |= {"goodput/lost_steps": 20, "goodput/productive_seconds": 100.0}
+    r = restart_cost(m, steps=200)  # a step computes 0.5 s; 20 redone = 10 s; (30 - 10) / 2 restarts
+    assert r["restart_seconds"] == r["restart_seconds_ledger"] == pytest.approx(10)
+    assert r["restart_source"].startswith("ledger: (lost_seconds")
+    r = restart_cost({"goodput/restarts": 0, "goodput/startup_seconds": 4.0}, steps=200)
+    assert r["restart_seconds"] == 4.0 and "no restarts" in r["restart_source"]
+    # With the heartbeat records: last sign of life of each crashed attempt to the next one's start.
+    records = [{"attempt": 0, "start": 0.0, "last_seen": 100.0}, {"attempt": 1, "start": 121.0}]
+    records[1]["last_seen"] = 150.0
+    records.append({"attempt": 2, "start": 165.0})
+    r = restart_cost(m, steps=200, records=records)
+    assert r["restart_seconds"] == r["restart_seconds_attempts"] == pytest.approx((21 + 15) / 2)
+    assert r["restart_seconds_ledger"] == pytest.approx(10) and "attempt records" in r["restart_source"]
+
+
+def test_cli_json_keys(capsys) -> None:
+    r = run_json(capsys, "failure", "--gpus", "256", "--days", "30", "--afr", "0.01")
+    assert r["probability"] == pytest.approx(0.19, abs=0.005)
+    r = run_json(capsys, "goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "120")
+    assert {k: r[k] for k in goodput(8.6, 120)} == goodput(8.6, 120) and "renewal_goodput" in r
+    r = run_json(capsys, "optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "24")
+    assert r["interval_minutes"] == optimal_interval(2, 24)["interval_minutes"]
+    r = run_json(capsys, "simulate", "--gpus", "4096", "--afr", "0.01", "--save-stall-seconds", "0.1",
+                 "--restart-seconds", "9", "--trials", "500")  # fmt: skip
+    keys = {"goodput_mean", "goodput_p10", "goodput_p50", "goodput_p90", "lost_gpu_hours_mean",
+            "closed_form_goodput", "renewal_goodput", "mtbf_hours", "interval_minutes"}  # fmt: skip
+    assert keys <= r.keys() and r["restart_seconds"] == 9 and r["gpus"] == 4096
+    yd = optimal_interval(0.1, mtbf_hours_from_afr(4096, 0.01), 9 / 60)["interval_minutes"]
+    assert r["interval_minutes"] == pytest.approx(yd)  # no --interval-minutes: Young/Daly's
+
+
+def test_cli_plan_table(capsys) -> None:
+    args = [
+        "plan-table",
+        "--gpus",
+        "1024",
+        "4096",
+        "--save-stall-seconds",
+        "0.1",
+        "--restart-seconds",
+        "9",
+        "2",
+        "--afr",
+        "0.01",
+    ]
+    args += ["--cluster-gpus", "16384", "--cluster-interruptions-per-day", "8.6", "--trials", "200"]
+    r = run_json(capsys, *args)
+    assert len(r["rows"]) == 2 * 2 * 2
+    llama_4k = [x for x in r["rows"] if x["gpus"] == 4096 and x["afr"] > 0.1]
+    assert llama_4k[0]["mtbf_hours"] == pytest.approx(24 / 2.15)
+    assert main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| ") for line in table) == 1 + 4 and "| AFR 0.01 | 1,024 |" in table[4]
+    assert "restart 9 s: goodput mean (closed form)" in table[2] and table[2].count("GPU-h lost") == 2
 
 
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        (["failure", "--gpus", "0", "--days", "30", "--afr", "0.01", "--json"], "--gpus"),
-        (["failure", "--gpus", "8", "--days", "30", "--afr", "2", "--json"], "--afr"),
+        (["failure", "--gpus", "0", "--days", "30", "--afr", "0.01"], "--gpus"),
+        (["failure", "--gpus", "8", "--days", "30", "--afr", "nan"], "--afr"),
+        (["failure", "--gpus", "8", "--days", "30", "--afr", "-1"], "--afr"),
+        (["failure", "--days", "30", "--afr", "0.01"], "--gpus"),
+        (["failure", "--gpus", "8", "--days", "30", "--cluster-gpus", "608"], "--cluster-mtbf-hours"),
+        (["failure", "--gpus", "8", "--days", "30", "--cluster-mtbf-hours", "2"], "--cluster-gpus"),
         (
-            ["goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "-5", "--json"],
+            ["failure", "--gpus", "8", "--days", "30", "--cluster-gpus", "0", "--cluster-mtbf-hours", "2"],
+            "--cluster-gpus",
+        ),  # fmt: skip
+        (["goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "-5"], "--interval-minutes"),
+        (
+            [
+                "goodput",
+                "--interruptions-per-day",
+                "8.6",
+                "--interval-minutes",
+                "0.01",
+                "--save-stall-seconds",
+                "1",
+            ],
             "--interval-minutes",
-        ),
+        ),  # fmt: skip
+        (
+            [
+                "goodput",
+                "--interruptions-per-day",
+                "48",
+                "--interval-minutes",
+                "5",
+                "--restart-seconds",
+                "1800",
+            ],
+            "--restart-seconds",
+        ),  # fmt: skip
+        (["goodput", "--interval-minutes", "5"], "--interruptions-per-day"),
+        (["goodput", "--mtbf-hours", "5", "--interval-minutes", "5", "--gpus", "8", "--afr", "0.1"], "--afr"),
         (["optimal-interval", "--save-stall-seconds", "-2", "--mtbf-hours", "24"], "--save-stall-seconds"),
-        (["optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "0", "--json"], "--mtbf-hours"),
+        (["optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "0"], "--mtbf-hours"),
+        (
+            ["optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "1", "--restart-minutes", "60"],
+            "--restart-minutes",
+        ),  # fmt: skip
+        (
+            ["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--trials", "0"],
+            "--trials",
+        ),
+        (
+            ["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--days", "nan"],
+            "--days",
+        ),
+        (["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--seed", "-1"], "--seed"),
+        (["simulate", "--interruptions-per-day", "8.6", "--interval-minutes", "5", "--gpus", "0"], "--gpus"),
+        (["simulate", "--interruptions-per-day", "8.6"], "--interval-minutes"),  # free saves: no Young/Daly
+        (
+            [
+                "simulate",
+                "--interruptions-per-day",
+                "8.6",
+                "--interval-minutes",
+                "1",
+                "--commit-delay-seconds",
+                "61",
+            ],
+            "--commit-delay-seconds",
+        ),  # fmt: skip
+        (
+            ["plan-table", "--save-stall-seconds", "0.1", "--restart-seconds", "-9", "--afr", "0.01"],
+            "--restart-seconds",
+        ),  # fmt: skip
     ],
 )
-def test_cli_bad_input_exits_2(args: list[str], flag: str) -> None:
-    out = run_cli(*args)
-    assert out.returncode == 2
-    assert f"argument {flag}" in out.stderr and out.stdout == ""
+def test_cli_bad_input_exits_2_naming_the_flag(capsys, args: list[str], flag: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--json"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and f"argument {flag}" in out.err and out.out == ""
+
+
+def test_python_m_and_the_entry_point() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "goodput.calculator"]
+    out = subprocess.run([*cmd, "failure", "--gpus", "1024", "--days", "30", "--afr", "0.01", "--json"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["probability"] == pytest.approx(0.57, abs=0.005)
+    bad = subprocess.run([*cmd, "failure", "--gpus", "-3", "--days", "30", "--afr", "0.01"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "argument --gpus" in bad.stderr
+    # The console script named in pyproject.toml resolves to this same main().
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, func = scripts["goodput-plan"].split(":")
+    assert getattr(import_module(module), func) is main
+
+
+def test_cli_human_and_tables(capsys) -> None:
+    assert main(["goodput", "--interruptions-per-day", "8.6", "--interval-minutes", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "Goodput 91.0%" in out and "8.6 interruptions/day" in out
+    assert main(["tables"]) == 0
+    assert capsys.readouterr().out == calculator.markdown(calculator.article_tables())

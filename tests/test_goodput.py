@@ -113,32 +113,25 @@ def test_advise_uses_the_runs_measured_stall(tmp_path):
     from conftest import run_train
 
     _, s = run_train(tmp_path, "checkpoint=dcp_sync")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/goodput.py",
-            "advise",
-            str(tmp_path / "checkpoints" / "smoke"),
-            "--gpus",
-            "256",
-            "--afr",
-            "0.01",
-            "--tracking-uri",
-            f"sqlite:///{tmp_path}/mlflow.db",
-            "--json",
-        ],  # fmt: skip
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "goodput.calculator", "advise", "--tracking-uri", uri]
+    args = [str(tmp_path / "checkpoints" / "smoke"), "--gpus", "256", "--afr", "0.01", "--trials", "500"]
+    out = subprocess.run([*cmd, *args, "--json"], cwd=REPO, capture_output=True, text=True, check=True)
     r = json.loads(out.stdout)
     assert r["run_id"] == s["mlflow_run_id"] and r["save_stall_seconds"] > 0
     assert r["mtbf_hours"] == pytest.approx(8760 / 2.56)
+    # No restarts in this run: the restart cost is its start-up per attempt, and it says so.
+    assert r["restarts"] == 0 and "start-up" in r["restart_source"]
+    assert r["restart_seconds"] == pytest.approx(s["goodput"]["startup_seconds"], rel=1e-3)
+    assert r["commit_delay_seconds"] >= 0  # dcp_sync: committed when the stall ends, up to noise
     assert r["interval_minutes"] == pytest.approx(
         (2 * r["save_stall_seconds"] * r["mtbf_hours"] * 3600) ** 0.5 / 60
     )
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [sys.executable, "scripts/goodput.py", "advise", "0" * 32, "--tracking-uri", uri]
-    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    # The simulated spread at that interval, next to the closed forms.
+    assert r["goodput_p10"] <= r["goodput_mean"] <= r["goodput_p90"] and r["trials"] == 500
+    assert r["closed_form_goodput"] == pytest.approx(r["goodput"], abs=1e-6)
+    human = subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True)
+    assert human.returncode == 0, human.stderr
+    assert "start-up seconds per attempt" in human.stdout and "closed form" in human.stdout
+    bad = subprocess.run([*cmd, "0" * 32], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "no MLflow run" in bad.stderr

@@ -1,0 +1,98 @@
+"""What a finished run measured, for `advise`: its save stall, commit delay and restart cost."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from goodput.calculator import InputError
+
+
+def _is_dir(run: str) -> bool:
+    return "://" in run or os.path.isdir(run)
+
+
+def run_id(run: str) -> str:
+    """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
+    if _is_dir(run):
+        from goodput.storage import Storage
+
+        store = Storage(run)
+        for name in sorted((n for n in store.ls() if n.startswith("step-")), reverse=True):
+            try:
+                return json.loads(store.read_bytes(f"{name}/COMMIT.json"))["mlflow_run_id"]
+            except (FileNotFoundError, ValueError, KeyError):
+                continue
+        raise InputError("run", f"no committed checkpoint with an MLflow run id in {run}")
+    return run
+
+
+def attempts(run: str) -> list[dict]:
+    """The per-attempt heartbeat records beside a run's checkpoints (none for a bare run id)."""
+    if not _is_dir(run):
+        return []
+    from goodput.storage import Storage
+
+    store, out = Storage(run), []
+    for name in sorted(store.ls("attempts")):
+        try:
+            out.append(json.loads(store.read_bytes(f"attempts/{name}")))
+        except (FileNotFoundError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r["attempt"])
+
+
+def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()) -> dict[str, float | str]:
+    """Seconds from a failure until training resumes, and where the number comes from.
+
+    From the ledger (`goodput/*` metrics): with restarts, (lost_seconds - lost_steps x mean productive
+    step seconds) / restarts, the part of the lost time that is not redone steps; without restarts,
+    start-up seconds per attempt (a floor: the crash-to-relaunch gap is unknown). The ledger's lost
+    time also holds whatever the loop did outside its categories (logging, heartbeats), and start-up
+    of the resumed attempt is booked as start-up, so both are estimates. When the attempt records are
+    at hand (RUN given as a checkpoint dir), the restart cost is measured directly instead: from the
+    crashed attempt's last heartbeat to the next attempt's start, which is after its restore.
+    """
+    restarts = int(metrics.get("goodput/restarts", 0))
+    out: dict[str, float | str] = {"restarts": restarts}
+    if restarts > 0 and steps > 0:
+        step_s = metrics.get("goodput/productive_seconds", 0.0) / steps
+        redone = metrics.get("goodput/lost_steps", 0.0) * step_s
+        ledger = max(0.0, metrics.get("goodput/lost_seconds", 0.0) - redone) / restarts
+        source = "ledger: (lost_seconds - lost_steps x mean productive step seconds) / restarts"
+    else:
+        ledger = metrics.get("goodput/startup_seconds", 0.0) / (1 + restarts)
+        source = "ledger: start-up seconds per attempt (no restarts: the crash-to-relaunch gap is missing)"
+    out["restart_seconds_ledger"] = ledger
+    gaps = [b["start"] - a["last_seen"] for a, b in zip(records, records[1:]) if "last_seen" in a]
+    if gaps:
+        out["restart_seconds_attempts"] = out["restart_seconds"] = sum(gaps) / len(gaps)
+        out["restart_source"] = f"attempt records: last heartbeat to the next attempt's start ({len(gaps)})"
+    else:
+        out.update(restart_seconds=ledger, restart_source=source)
+    return out
+
+
+def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
+    """The run's median save stall, its median delay from stall end to commit, its restart cost."""
+    from mlflow.tracking import MlflowClient
+
+    rid = run_id(run)
+    client = MlflowClient(tracking_uri)
+    try:
+        info = client.get_run(rid)
+    except Exception as e:
+        raise InputError("run", f"no MLflow run {rid!r} in {tracking_uri} ({e})") from e
+    stalls = sorted(m.value for m in client.get_metric_history(rid, "ckpt/blocking_seconds"))
+    if not stalls:
+        raise InputError("run", f"run {rid} logged no ckpt/blocking_seconds")
+    totals = sorted(m.value for m in client.get_metric_history(rid, "ckpt/total_seconds"))  # start -> commit
+    stall = stalls[len(stalls) // 2]
+    commit = max(0.0, totals[len(totals) // 2] - stall) if totals else 0.0
+    metrics = info.data.metrics
+    if "goodput/startup_seconds" not in metrics:
+        raise InputError("run", f"run {rid} logged no goodput/* ledger (did it finish?)")
+    # The ledger is logged once at the end, at the step count the run reached.
+    steps = max(m.step for m in client.get_metric_history(rid, "goodput/productive_seconds"))
+    return {"run_id": rid, "save_stall_seconds": stall, "commit_delay_seconds": commit, "steps": steps,
+            **restart_cost(metrics, steps, attempts(run))}  # fmt: skip
