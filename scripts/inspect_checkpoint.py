@@ -14,6 +14,7 @@ loaded, so they fail the check only when named directly.
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
