@@ -424,6 +424,13 @@ def test_restore_reads_the_verified_local_copy_and_not_a_bad_one(tmp_path, dist1
     assert rec["step"] == 2 and reads == []  # nothing came from the remote
     assert "all 2 files from the node-local copy" in caplog.text
 
+    # a stale local copy (staging holds step 2, the candidate is step 1): the remote is read
+    caplog.clear()
+    target, *_ = make_app(6)
+    rec, _ = mgr.restore(target, [r for r in mgr.committed() if r["step"] == 1])
+    assert rec["step"] == 1 and len(reads) == 2 and "no local copy" in caplog.text
+    reads.clear()
+
     # corrupt local copy: the remote is read for that file, and the log says why
     shard = next(p for p in kept.iterdir() if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
