@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from omegaconf import MISSING
 from torch import nn
 
 from goodput.model import shard_units
@@ -104,3 +105,39 @@ class FSDP:
 
 
 STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}
+
+
+@dataclass
+class ParallelConfig:
+    """Schema of the `parallel` group: how many processes, and how the model is spread over them."""
+
+    strategy: str = MISSING
+    """`single` (one process), `ddp` (a full replica per process, gradients all-reduced) or `fsdp`
+    (parameters, gradients and optimizer state sharded: less memory per process, more communication)."""
+
+    nproc_per_node: int = 1
+    """Worker processes per node (GPUs per node on a cluster). Under an external launcher (torchrun,
+    srun) its WORLD_SIZE is used instead."""
+
+    max_restarts: int = 0
+    """> 0: run under the elastic agent, which restarts all workers from the newest commit when one
+    dies (at most this often). 0 = a crash ends the job; relaunching the command resumes it."""
+
+    rdzv_endpoint: str | None = None
+    """host:port of the rendezvous for multi-node jobs; null = a free port on 127.0.0.1."""
+
+    rdzv_timeout_s: int = 300
+    """Give up joining the rendezvous after this long (a node that never comes up)."""
+
+    def __post_init__(self):
+        e = []
+        if self.strategy not in STRATEGIES:
+            e.append(f"parallel.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if self.nproc_per_node < 1:
+            e.append(f"parallel.nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            e.append(f"parallel.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.rdzv_timeout_s <= 0:
+            e.append(f"parallel.rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
+        if e:
+            raise ValueError("\n  - ".join(e))

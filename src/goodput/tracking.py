@@ -10,11 +10,27 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class MlflowConfig:
+    """Schema of `mlflow`: where the job's run is recorded."""
+
+    tracking_uri: str = "${oc.env:MLFLOW_TRACKING_URI,sqlite:///${paths.root}/mlflow.db}"
+    """A SQLite file under paths.root by default (MLflow 3 refuses plain file stores). Many parallel
+    jobs on one SQLite file wait on its lock: point them at an `mlflow server` instead."""
+
+    experiment: str = "goodput"
+    """MLflow experiment the runs are grouped under."""
+
+    artifact_location: str = "${paths.root}/mlartifacts"
+    """Where the experiment stores artifacts; used only when the experiment is first created."""
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
