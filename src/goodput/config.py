@@ -40,7 +40,10 @@ class PathsConfig:
     root: str = MISSING
     """Set in conf/paths/default.yaml. A shared filesystem on a cluster."""
 
-    data_dir: str = "${paths.root}/remote/data/shapes-c${dataset.num_classes}-n${dataset.train_per_class}-s${dataset.image_size}"
+    data_dir: str = (
+        "${paths.root}/remote/data/"
+        "shapes-c${dataset.num_classes}-n${dataset.train_per_class}-s${dataset.image_size}"
+    )
     """The demo "remote" dataset, named by what generated it (created on first use)."""
 
     cache_dir: str = "${paths.root}/cache"

@@ -123,6 +123,7 @@ class ScheduleConfig:
     """Cosine decay ends at lr x min_lr_ratio at total_steps."""
 
     total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
+    """Where the decay ends: the run's trainer.max_steps."""
 
 
 def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):

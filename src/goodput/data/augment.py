@@ -51,9 +51,13 @@ class AugmentConfig:
 
 
 def _as_dict(cfg) -> dict:
+    """A plain dict with every key of the schema (missing ones from its defaults, unknown ones refused)."""
     if isinstance(cfg, AugmentConfig):
         return OmegaConf.to_container(OmegaConf.structured(cfg))
-    return OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(cfg)
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(AugmentConfig), cfg))
+    except Exception as e:
+        raise ValueError(f"augment: {e}") from e
 
 
 def _normalize(mean, std) -> list:
@@ -73,9 +77,6 @@ def build(cfg: AugmentConfig | dict | None, image_size: int) -> tuple[v2.Compose
     c = OmegaConf.to_container(
         OmegaConf.create({"data": {"image_size": image_size}, "augment": c}), resolve=True
     )["augment"]
-    unknown = set(c) - {"train", "mean", "std"}
-    if unknown:
-        raise ValueError(f"augment: unknown key(s) {sorted(unknown)}; expected train, mean, std")
     steps = []
     for i, node in enumerate(c["train"] or []):
         if not isinstance(node, dict) or "_target_" not in node:

@@ -98,9 +98,13 @@ class DatasetConfig:
     """Shapes to tell apart (at most the number goodput.data.synthetic draws)."""
 
     train_per_class: int = 500
+    """Training images per class (generation takes about a second per thousand)."""
+
     val_per_class: int = 100
-    image_size: int = "${data.image_size}"  # type: ignore[assignment]  # one size: the model's input
-    """Generated at the training resolution, so resizing does not blur the demo."""
+    """Validation images per class."""
+
+    image_size: int = "${data.image_size}"  # type: ignore[assignment]
+    """Generated at the training resolution (one setting, data.image_size), so nothing is resized."""
 
     seed: int = 0
     """Seed of the generator (not of training: that is the top-level `seed`)."""
