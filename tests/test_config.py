@@ -9,7 +9,7 @@ import re
 import shutil
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -138,3 +138,31 @@ def test_checks_live_in_the_schema():
         bad = {**c, key: {**c[key], **value}}
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(bad)
+
+
+def test_schedules_from_target_nodes():
+    import torch
+    from hydra.utils import instantiate
+
+    from goodput.loop import lr_schedule
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    c = OmegaConf.to_container(_compose(["optim/schedule=step", "optim.schedule.step_size=2"]), resolve=True)
+    sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    for _ in range(4):
+        sched.step()
+    assert sched.get_last_lr() == [0.25]
+    c = OmegaConf.to_container(_compose(["trainer.max_steps=50"]), resolve=True)
+    sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))  # the default
+    f = lr_schedule(20, 50, 0.05)
+    for step in range(50):
+        assert sched.get_last_lr() == [f(step)]
+        sched.step()
+
+
+def test_own_model_and_scheduler_on_the_entry_point(tmp_path, smoke_reference):
+    """The README's examples: any model and any LR scheduler are a `_target_` node."""
+    _, s = run_train(tmp_path, "model=resnet18", "optim/schedule=step", "optim.schedule.step_size=4")
+    assert s["steps"] == 12 and s["last_committed_step"] == 12
+    assert s["model_sha256"] != smoke_reference("dcp_sync")["model_sha256"]
