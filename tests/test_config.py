@@ -166,3 +166,17 @@ def test_own_model_and_scheduler_on_the_entry_point(tmp_path, smoke_reference):
     _, s = run_train(tmp_path, "model=resnet18", "optim/schedule=step", "optim.schedule.step_size=4")
     assert s["steps"] == 12 and s["last_committed_step"] == 12
     assert s["model_sha256"] != smoke_reference("dcp_sync")["model_sha256"]
+
+
+def test_a_data_option_file_is_a_short_diff(tmp_path):
+    """The README's conf/data/flowers.yaml: the schema fills every other key."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "data" / "flowers.yaml").write_text(
+        "defaults: [base]\nbackend: cached\nroot: s3://my-bucket/flowers\nimage_size: 128\n"
+    )
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        c = OmegaConf.to_container(compose("train", overrides=["data=flowers"]), resolve=True)
+    assert c["data"]["root"] == "s3://my-bucket/flowers" and c["data"]["prefetch_threads"] == 16
+    assert c["augment"]["train"][0]["size"] == 128
+    validate(c)
