@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -33,7 +34,7 @@ from goodput.lock import RunLock
 from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
 from goodput.storage import Storage, StorageConfig
-from goodput.tracking import Tracker, flatten, start_run
+from goodput.tracking import Tracker, flatten, source_tags, start_run
 
 log = logging.getLogger("goodput")
 
@@ -126,6 +127,7 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
         params,
         previous_run_id,
         c["mlflow"]["artifact_location"],
+        tags=source_tags(sys.argv[0]),
     )
 
 
@@ -216,6 +218,7 @@ class Trainer:
         self.ckpt.fault = self.faults
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+        self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def attempts_beat(self, step: int) -> None:
         if self.dist.rank == 0:
