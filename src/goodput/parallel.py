@@ -22,6 +22,21 @@ from goodput.model import shard_units
 log = logging.getLogger(__name__)
 
 
+# What torchrun, the elastic agent and srun wrappers set: a process that sees them joins that world
+# (init_distributed would wait for peers). A child that must start its own world gets an env without them.
+LAUNCHER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+)  # fmt: skip
+
+
+def without_launcher_env(env=None, *also: str) -> dict:
+    """A copy of `env` (default: os.environ) without the launcher's variables and the names in `also`."""
+    drop = set(LAUNCHER_ENV) | set(also)
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in drop}
+
+
 @dataclass
 class Dist:
     rank: int

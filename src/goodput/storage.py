@@ -176,10 +176,6 @@ class Storage:
 
         return self._retry(f"find {self.url(rel)}", _find)
 
-    def makedirs(self, rel: str) -> None:
-        if self.local:  # object stores have no directories
-            self._retry(f"mkdir {self.url(rel)}", self.fs.makedirs, self._path(rel), True)
-
     def rm(self, rel: str, recursive: bool = False) -> None:
         def _rm():
             if self.fs.exists(self._path(rel)):

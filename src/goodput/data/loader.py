@@ -153,9 +153,7 @@ class ResumableLoader:
     def state_dict(self) -> dict:
         return {
             "seed": self.seed,
-            "step": self.step,
-            "epoch": self.epoch,
-            "position": (self.step % self.order.steps_per_epoch) * self.order.global_batch_size,
+            "step": self.step,  # epoch and position within it follow from step (GlobalOrder)
             "num_samples": self.order.num_samples,
             "fingerprint": self.files.fingerprint,
             "global_batch_size": self.order.global_batch_size,
