@@ -180,3 +180,11 @@ def test_a_data_option_file_is_a_short_diff(tmp_path):
     assert c["data"]["root"] == "s3://my-bucket/flowers" and c["data"]["prefetch_threads"] == 16
     assert c["augment"]["train"][0]["size"] == 128
     validate(c)
+
+
+@pytest.mark.parametrize("group", ["checkpoint", "data", "augment", "parallel", "fault", "optim", "paths"])
+def test_option_files_start_from_their_schema(group):
+    """An option file is a diff over `<group>/base`, so its keys are checked and its defaults shared."""
+    for name in GROUPS[group]:
+        cfg = OmegaConf.load(os.path.join(CONF, group, f"{name}.yaml"))
+        assert list(cfg.get("defaults", [])) == ["base"], f"conf/{group}/{name}.yaml: add `defaults: [base]`"
