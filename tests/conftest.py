@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from goodput.parallel import without_launcher_env
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "scripts" / "train.py")
 
@@ -23,10 +25,7 @@ def train_cmd(root, *overrides: str, experiment: str = "smoke") -> list[str]:
 
 def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, experiment: str = "smoke"):
     """Run scripts/train.py; returns (completed process, newest summary.json or None)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = {**without_launcher_env(None, "MLFLOW_TRACKING_URI"), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(
         train_cmd(root, *overrides, experiment=experiment),
         cwd=REPO,

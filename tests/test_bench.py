@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -12,12 +11,11 @@ import pytest
 from conftest import REPO
 
 from goodput.bench import markdown_table, median, ratio
+from goodput.parallel import without_launcher_env
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = {**without_launcher_env(), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(
         [sys.executable, str(REPO / "scripts" / name), *args],
         cwd=REPO,

@@ -11,13 +11,13 @@ from conftest import run_train
 
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.model import SmallCNN, model_sha256
-from goodput.parallel import init_distributed, shutdown_distributed
+from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
 from goodput.storage import Storage
 
 
 @pytest.fixture(scope="module")
 def dist1():
-    for k in ("RANK", "WORLD_SIZE"):
+    for k in LAUNCHER_ENV:
         os.environ.pop(k, None)
     d = init_distributed()
     yield d

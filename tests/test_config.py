@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
+import shutil
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from goodput.config import validate
+from goodput.config import SCHEMAS, ConfigError, validate
+from goodput.data.config import DataConfig
+from goodput.data.sources import CachedSource
 
 CONF = str(REPO / "conf")
 GROUPS = {
     g: sorted(f[:-5] for f in os.listdir(os.path.join(CONF, g)) if f.endswith(".yaml"))
-    for g in ("model", "optim", "data", "checkpoint", "parallel", "fault", "experiment", "paths")
+    for g in ("model", "optim", "data", "augment", "checkpoint", "parallel", "fault", "experiment", "paths")
 }
 
 
@@ -57,3 +64,127 @@ def test_slurm_launcher_preset_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.gpus_per_node == 8 and launcher.signal_delay_s == 120
+
+
+def test_optim_schedule_group_options_compose():
+    for option in sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "optim", "schedule"))):
+        c = OmegaConf.to_container(_compose([f"optim/schedule={option}"]), resolve=True)
+        assert c["optim"]["schedule"]["_target_"]
+
+
+def test_a_typo_in_a_group_file_names_the_key_and_the_file(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    f = conf / "checkpoint" / "dcp_async.yaml"
+    f.write_text(f.read_text() + "every_n_step: 10\n")
+    with (
+        initialize_config_dir(config_dir=str(conf), version_base="1.3"),
+        pytest.raises(ConfigCompositionException) as e,
+    ):
+        compose("train")
+    assert "'checkpoint/dcp_async'" in str(e.value) and "every_n_step" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("checkpoint.every_n_step=3", "every_n_step"),
+        ("data.prefetch_thread=4", "prefetch_thread"),
+        ("augment.trian=[]", "trian"),
+        ("trainer.max_step=5", "max_step"),
+    ],
+)
+def test_an_unknown_override_names_the_key(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose([override])
+    assert key in str(e.value) + str(e.value.__cause__)
+
+
+def test_a_mistyped_value_is_refused_at_compose():
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose(["checkpoint.every_n_steps=often"])
+    assert "checkpoint.every_n_steps" in str(e.value) + str(e.value.__cause__)
+
+
+def test_one_default_per_setting():
+    c = OmegaConf.to_container(_compose(["data.image_size=64", "paths.root=/x"]), resolve=True)
+    assert c["dataset"]["image_size"] == 64 and c["data"]["root"].endswith("-s64")  # one image size
+    threads = CachedSource.__init__.__defaults__[0]
+    assert threads == DataConfig.prefetch_threads == c["data"]["prefetch_threads"]
+
+
+def test_every_schema_field_is_documented():
+    """Each field of each group's schema carries a docstring where it is defined."""
+    for group, schema in SCHEMAS.items():
+        tree = ast.parse(inspect.getsource(schema))
+        body = tree.body[0].body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and not node.target.id.startswith("_"):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                assert documented, f"{group}.{node.target.id} ({schema.__module__}) has no docstring"
+
+
+def test_checks_live_in_the_schema():
+    V2 = "torchvision.transforms.v2."
+    c = OmegaConf.to_container(_compose(["paths.root=/x"]), resolve=True)
+    for key, value, message in [
+        ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last must be >= 1"),
+        ("data", {"on_bad_sample": "ignore"}, "data.on_bad_sample must be error|skip"),
+        ("fault", {"chaos_p": 2.0}, "fault.chaos_p must be in [0, 1]"),
+        ("trainer", {"progress": "sometimes"}, "trainer.progress must be auto|true|false"),
+        ("augment", {"train": [{"_target_": V2 + "CenterCrop", "size": 8}]}, "3 x 32 x 32"),
+    ]:
+        bad = {**c, key: {**c[key], **value}}
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(bad)
+
+
+def test_schedules_from_target_nodes():
+    import torch
+    from hydra.utils import instantiate
+
+    from goodput.loop import lr_schedule
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    c = OmegaConf.to_container(_compose(["optim/schedule=step", "optim.schedule.step_size=2"]), resolve=True)
+    sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    for _ in range(4):
+        sched.step()
+    assert sched.get_last_lr() == [0.25]
+    c = OmegaConf.to_container(_compose(["trainer.max_steps=50"]), resolve=True)
+    sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))  # the default
+    f = lr_schedule(20, 50, 0.05)
+    for step in range(50):
+        assert sched.get_last_lr() == [f(step)]
+        sched.step()
+
+
+def test_own_model_and_scheduler_on_the_entry_point(tmp_path, smoke_reference):
+    """The README's examples: any model and any LR scheduler are a `_target_` node."""
+    _, s = run_train(tmp_path, "model=resnet18", "optim/schedule=step", "optim.schedule.step_size=4")
+    assert s["steps"] == 12 and s["last_committed_step"] == 12
+    assert s["model_sha256"] != smoke_reference("dcp_sync")["model_sha256"]
+
+
+def test_a_data_option_file_is_a_short_diff(tmp_path):
+    """The README's conf/data/flowers.yaml: the schema fills every other key."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "data" / "flowers.yaml").write_text(
+        "defaults: [base]\nbackend: cached\nroot: s3://my-bucket/flowers\nimage_size: 128\n"
+    )
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        c = OmegaConf.to_container(compose("train", overrides=["data=flowers"]), resolve=True)
+    assert c["data"]["root"] == "s3://my-bucket/flowers" and c["data"]["prefetch_threads"] == 16
+    assert c["augment"]["train"][0]["size"] == 128
+    validate(c)
+
+
+@pytest.mark.parametrize("group", ["checkpoint", "data", "augment", "parallel", "fault", "optim", "paths"])
+def test_option_files_start_from_their_schema(group):
+    """An option file is a diff over `<group>/base`, so its keys are checked and its defaults shared."""
+    for name in GROUPS[group]:
+        cfg = OmegaConf.load(os.path.join(CONF, group, f"{name}.yaml"))
+        assert list(cfg.get("defaults", [])) == ["base"], f"conf/{group}/{name}.yaml: add `defaults: [base]`"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TRAIN, latest_summary, run_train
+
+from goodput.parallel import without_launcher_env
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_two_node_rendezvous_on_one_machine(tmp_path, ddp_reference):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MLFLOW_TRACKING_URI")}
+    env = without_launcher_env(None, "MLFLOW_TRACKING_URI")
     run_dir = tmp_path / "runs" / "two-node"
     procs = []
     for _node in range(2):

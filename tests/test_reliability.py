@@ -16,6 +16,7 @@ from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
+from goodput.parallel import without_launcher_env
 from goodput.storage import Storage, StorageConfig
 
 
@@ -118,7 +119,7 @@ def test_cache_disk_full_is_a_clear_error_and_leaves_no_entry(tmp_path, monkeypa
 
 # -- one job per run --------------------------------------------------------------------------
 def test_second_job_on_the_same_run_is_refused_then_stale_lock_is_taken_over(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MLFLOW_TRACKING_URI")}
+    env = without_launcher_env(None, "MLFLOW_TRACKING_URI")
     first = subprocess.Popen(
         train_cmd(tmp_path, "trainer.max_steps=100000", "checkpoint.every_n_steps=50"),
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from goodput.parallel import free_port  # noqa: F401  (re-exported for the bench scripts)
+from goodput.parallel import LAUNCHER_ENV, free_port  # noqa: F401  (free_port: re-exported for the bench scripts)
 
 
 def machine_info() -> dict:
@@ -137,7 +137,7 @@ def bar_chart(
 
 def clean_dist_env() -> None:
     """A 1-rank run must not see a launcher's variables (init_distributed would wait for peers)."""
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in LAUNCHER_ENV:
         os.environ.pop(k, None)
 
 

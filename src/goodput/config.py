@@ -1,106 +1,226 @@
-"""Checks on the resolved config that must fail before any work starts, each naming the key."""
+"""The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
+
+Each schema lives beside the component that reads it (goodput.data.config, goodput.data.augment,
+goodput.loop, goodput.parallel, goodput.fault, goodput.storage, goodput.tracking); the ones that
+belong to the job as a whole are here. Group files start from their schema (`defaults: [base]`) and
+say only what differs, so a mistyped key in a file or an override fails at compose time, naming the
+key and the file. Defaults, documentation and checks (`__post_init__`) are written once, in the
+schema; `validate()` adds the checks that span groups or need the machine.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 from goodput.checkpoint import BACKENDS
-from goodput.data.sources import SOURCES
-from goodput.parallel import STRATEGIES
-from goodput.storage import check_url
+from goodput.data import augment
+from goodput.data.augment import AugmentConfig
+from goodput.data.config import DataConfig, DatasetConfig
+from goodput.fault import FaultConfig
+from goodput.loop import ScheduleConfig, TrainerConfig
+from goodput.parallel import ParallelConfig
+from goodput.storage import StorageConfig, check_url
+from goodput.tracking import MlflowConfig
 
 
 class ConfigError(ValueError):
     pass
 
 
-def validate(c: dict) -> None:
-    errors = []
+@dataclass
+class PathsConfig:
+    """Every state path derives from `root` (relative roots are taken from the launch directory)."""
 
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            errors.append(msg)
+    root: str = MISSING
+    """Set in conf/paths/default.yaml. A shared filesystem on a cluster."""
 
-    tr, ck, dc, par = c["trainer"], c["checkpoint"], c["data"], c["parallel"]
-    need(
-        isinstance(tr["max_steps"], int) and tr["max_steps"] > 0,
-        f"trainer.max_steps must be > 0, got {tr['max_steps']}",
+    data_dir: str = (
+        "${paths.root}/remote/data/"
+        "shapes-c${dataset.num_classes}-n${dataset.train_per_class}-s${dataset.image_size}"
     )
-    gbs = tr["global_batch_size"]
-    need(isinstance(gbs, int) and gbs > 0, f"trainer.global_batch_size must be > 0, got {gbs}")
-    need(
-        tr["eval_every_n_steps"] >= 0,
-        f"trainer.eval_every_n_steps must be >= 0, got {tr['eval_every_n_steps']}",
-    )
-    need(tr["log_every_n_steps"] > 0, f"trainer.log_every_n_steps must be > 0, got {tr['log_every_n_steps']}")
-    need(tr["num_threads"] > 0, f"trainer.num_threads must be > 0, got {tr['num_threads']}")
+    """The demo "remote" dataset, named by what generated it (created on first use)."""
 
-    need(
-        ck["backend"] in BACKENDS,
-        f"checkpoint.backend must be one of {sorted(BACKENDS)}, got {ck['backend']!r}",
-    )
-    for key in ("every_n_steps", "every_n_minutes"):
-        v = ck[key]
-        need(v is None or v > 0, f"checkpoint.{key} must be > 0 or null, got {v}")
-    need(
-        ck["keep_last"] >= 1,
-        f"checkpoint.keep_last must be >= 1 (the newest commit is never deleted), got {ck['keep_last']}",
-    )
-    need(
-        ck.get("async_type", "thread") in ("thread", "process"),
-        f"checkpoint.async_type must be thread|process, got {ck.get('async_type')!r}",
-    )
-    need(
-        ck.get("on_error", "raise") in ("raise", "continue"),
-        f"checkpoint.on_error must be raise|continue, got {ck.get('on_error')!r}",
-    )
+    cache_dir: str = "${paths.root}/cache"
+    """Node-local cache of remote files: the fastest local disk."""
 
-    need(dc["backend"] in SOURCES, f"data.backend must be one of {sorted(SOURCES)}, got {dc['backend']!r}")
-    need(dc["num_workers"] >= 0, f"data.num_workers must be >= 0, got {dc['num_workers']}")
-    need(dc["image_size"] >= 8, f"data.image_size must be >= 8, got {dc['image_size']}")
-    need(dc["prefetch_steps"] >= 1, f"data.prefetch_steps must be >= 1, got {dc['prefetch_steps']}")
-    need(dc["prefetch_threads"] >= 1, f"data.prefetch_threads must be >= 1, got {dc['prefetch_threads']}")
-    need(
-        dc["on_bad_sample"] in ("error", "skip"),
-        f"data.on_bad_sample must be error|skip, got {dc['on_bad_sample']!r}",
-    )
-    if dc["cache_limit"] is not None:
-        need(dc["cache_limit"] > 0, f"data.cache_limit must be > 0 bytes or null, got {dc['cache_limit']}")
+    checkpoint_dir: str = "${paths.root}/checkpoints"
+    """The "remote" checkpoint volume (committed checkpoints, run lock, attempt records)."""
 
-    st = c["storage"]
-    for key in ("latency_ms", "bandwidth_mb_s"):
-        need(st[key] >= 0, f"storage.{key} must be >= 0, got {st[key]}")
-    need(0 <= st["error_rate"] < 1, f"storage.error_rate must be in [0, 1), got {st['error_rate']}")
-    for key, url in (("data.root", dc["root"]), ("checkpoint.dir", ck["dir"])):
+    staging_dir: str = "${paths.root}/staging"
+    """Node-local fast disk where checkpoints are written before the upload."""
+
+    run_dir: str = "${paths.root}/runs"
+    """Hydra run directories (summary.json, goodput.png, .hydra/)."""
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING
+    """Names the checkpoint dir (and the MLflow run): relaunching the same name resumes it."""
+
+    resume: str = "auto"
+    """`auto` = the newest committed checkpoint that loads (falls back to older ones), `none` = start
+    fresh (refused if checkpoints exist, unless overwrite), or the path of a committed step dir."""
+
+    overwrite: bool = False
+    """With resume=none: discard an existing run's checkpoints."""
+
+    lock_stale_seconds: int = 120
+    """A run lock without heartbeat for this long belongs to a dead job and is taken over. Shorter
+    relaunches faster after a crash; too short lets a slow-but-alive job be joined by a second one."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Schema of the `checkpoint` group (read by goodput.checkpoint.CheckpointManager and the backend)."""
+
+    backend: str = MISSING
+    """How a rank writes its state: `torch_save` (rank 0 gathers and writes one file; simplest, slow
+    for big models), `dcp_sync` (every rank writes its shard; the loop waits for write + upload),
+    `dcp_async` (every rank writes its shard in the background; the loop waits only for the copy)."""
+
+    dir: str = "${paths.checkpoint_dir}/${run.name}"
+    """Where committed checkpoints live: a path or fsspec URL, shared by all nodes."""
+
+    staging_dir: str = "${paths.staging_dir}/${run.name}"
+    """Node-local fast disk where each save is written before it is uploaded to `dir`."""
+
+    every_n_steps: int | None = 50
+    """Save every N steps (null = off). Each save costs the loop its blocking part (dcp_async: the copy
+    to host memory; sync backends: write + upload); a crash loses on average half an interval of work.
+    The best interval is about sqrt(2 x save cost x MTBF): `python -m goodput.calculator optimal-interval`."""
+
+    every_n_minutes: float | None = None
+    """Also (or instead) save when this much wall time passed since the last save; null = off.
+    Steps of varying length make a time interval the steadier bound on lost work."""
+
+    keep_last: int = 2
+    """Committed checkpoints kept (the newest is never deleted). More = older fallbacks if the
+    newest proves unreadable, at the cost of storage."""
+
+    async_type: str = "thread"
+    """dcp_async only: `thread` writes in a background thread (shares the GIL with the loop),
+    `process` in a daemon process (no GIL contention, a process and its start-up per job)."""
+
+    on_error: str = "raise"
+    """A save that fails: `raise` stops the run; `continue` logs it and trains on (the previous
+    commit stays the newest, so a crash would lose more)."""
+
+    commit_timeout_s: float = 1800.0
+    """Rank 0 waits this long for every rank's upload before giving up on a commit."""
+
+    def __post_init__(self):
+        e = []
+        if self.backend not in BACKENDS:
+            e.append(f"checkpoint.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        for key in ("every_n_steps", "every_n_minutes"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                e.append(f"checkpoint.{key} must be > 0 or null, got {v}")
+        if self.keep_last < 1:
+            e.append(
+                "checkpoint.keep_last must be >= 1 (the newest commit is never deleted), "
+                f"got {self.keep_last}"
+            )
+        if self.async_type not in ("thread", "process"):
+            e.append(f"checkpoint.async_type must be thread|process, got {self.async_type!r}")
+        if self.on_error not in ("raise", "continue"):
+            e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
+        if self.commit_timeout_s <= 0:
+            e.append(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         try:
-            check_url(str(url), key)
-        except ValueError as e:
-            errors.append(str(e))
+            check_url(str(self.dir), "checkpoint.dir")
+        except ValueError as err:
+            e.append(str(err))
+        if e:
+            raise ValueError("\n  - ".join(e))
 
-    need(
-        par["strategy"] in STRATEGIES,
-        f"parallel.strategy must be one of {sorted(STRATEGIES)}, got {par['strategy']!r}",
-    )
-    n = par["nproc_per_node"]
+
+@dataclass
+class OptimConfig:
+    """Schema of the `optim` group; the LR schedule is its own group, `optim/schedule`."""
+
+    optimizer: Any = MISSING
+    """A `_target_` node with `_partial_: true`, called with the model's parameters."""
+
+    schedule: Any = None
+    """Filled by the `optim/schedule` group (goodput.loop.ScheduleConfig is the default's schema)."""
+
+
+# group -> schema. The file-based groups' options start with `defaults: [base]`; the others are
+# selected as `<group>: base` in conf/train.yaml.
+SCHEMAS = {
+    "paths": PathsConfig,
+    "run": RunConfig,
+    "trainer": TrainerConfig,
+    "dataset": DatasetConfig,
+    "data": DataConfig,
+    "augment": AugmentConfig,
+    "checkpoint": CheckpointConfig,
+    "optim": OptimConfig,
+    "optim/schedule": ScheduleConfig,
+    "parallel": ParallelConfig,
+    "fault": FaultConfig,
+    "storage": StorageConfig,
+    "mlflow": MlflowConfig,
+}
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    for group, schema in SCHEMAS.items():
+        cs.store(group=group, name="base", node=schema)
+
+
+register()  # importing goodput.config is what makes `defaults: [base]` resolvable
+
+
+def build(schema, node: dict, key: str):
+    """A schema instance from a resolved node (runs its checks)."""
+    known = {f.name for f in fields(schema)}
+    unknown = set(node) - known
+    if unknown:  # compose already rejects these; a hand-built dict might not
+        raise ConfigError(f"{key}: unknown key(s) {sorted(unknown)}")
+    return schema(**node)
+
+
+def validate(c: dict) -> None:
+    """Check a resolved config (plain dict); raise ConfigError listing every problem."""
+    errors = []
+    for key in ("trainer", "checkpoint", "data", "storage", "parallel", "fault", "run", "paths"):
+        try:
+            build(SCHEMAS[key], c[key], key)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    try:  # instantiates the transforms once and checks the output size: a bad list fails here
+        augment.build(c["augment"], c["data"]["image_size"])
+    except Exception as e:
+        errors.append(f"augment: {e}")
+
+    tr, par = c["trainer"], c["parallel"]
+    gbs, n = tr["global_batch_size"], par["nproc_per_node"]
     external = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else n
-    need(n >= 1, f"parallel.nproc_per_node must be >= 1, got {n}")
-    need(par["max_restarts"] >= 0, f"parallel.max_restarts must be >= 0, got {par['max_restarts']}")
-    need(par["rdzv_timeout_s"] > 0, f"parallel.rdzv_timeout_s must be > 0, got {par['rdzv_timeout_s']}")
     if not external and n >= 1:
         limit = torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
-        need(n <= limit, f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit})")
-    if par["strategy"] == "fsdp":
-        need(world > 1, "parallel=fsdp needs more than one process (set parallel.nproc_per_node >= 2)")
-    if par["strategy"] == "single":
-        need(
-            world == 1,
-            f"parallel=single runs one process, but the world size is {world}: use parallel=ddp or fsdp",
+        if n > limit:
+            errors.append(
+                f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit})"
+            )
+    if par["strategy"] == "fsdp" and world <= 1:
+        errors.append("parallel=fsdp needs more than one process (set parallel.nproc_per_node >= 2)")
+    if par["strategy"] == "single" and world != 1:
+        errors.append(
+            f"parallel=single runs one process, but the world size is {world}: use parallel=ddp or fsdp"
         )
-    if isinstance(gbs, int) and gbs > 0 and world >= 1:
-        need(gbs % world == 0, f"trainer.global_batch_size={gbs} is not divisible by the world size {world}")
+    if isinstance(gbs, int) and gbs > 0 and world >= 1 and gbs % world:
+        errors.append(f"trainer.global_batch_size={gbs} is not divisible by the world size {world}")
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

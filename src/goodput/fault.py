@@ -8,10 +8,49 @@ import os
 import random
 import signal
 import time
+from dataclasses import dataclass
 
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class FaultConfig:
+    """Schema of the `fault` group: kills for drills. All off by default; each fires once per run."""
+
+    kill_at_step: int | None = None
+    """SIGKILL the process after this step (first attempt only): a crash drill."""
+
+    kill_during_save: int | None = None
+    """SIGKILL while the checkpoint of this step is being uploaded (once): the partial save must
+    never be loaded."""
+
+    rank: int = 0
+    """Which rank the two kills above hit."""
+
+    mtbf_seconds: float | None = None
+    """Random SIGKILLs with this mean time between failures (seeded by `seed` and the attempt)."""
+
+    max_kills: int = 2
+    """At most this many random kills per run (mtbf_seconds and chaos_p)."""
+
+    chaos_p: float = 0.0
+    """SIGKILL with this probability at each step / save / upload / commit / retention point."""
+
+    chaos_seed: int = 0
+    """Seed of the chaos draws."""
+
+    def __post_init__(self):
+        e = []
+        if self.mtbf_seconds is not None and self.mtbf_seconds < 0:
+            e.append(f"fault.mtbf_seconds must be >= 0 or null (0 = off), got {self.mtbf_seconds}")
+        if self.max_kills < 0:
+            e.append(f"fault.max_kills must be >= 0, got {self.max_kills}")
+        if not 0.0 <= self.chaos_p <= 1.0:
+            e.append(f"fault.chaos_p must be in [0, 1], got {self.chaos_p}")
+        if e:
+            raise ValueError("\n  - ".join(e))
 
 
 class Faults:

@@ -9,9 +9,12 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import MISSING
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,76 @@ class StopSignal:
                 signal.signal(sig, signal.SIG_DFL)
             except ValueError:
                 pass
+
+
+@dataclass
+class TrainerConfig:
+    """Schema of `trainer`: how long, how big, how often to evaluate and log."""
+
+    max_steps: int = MISSING
+    """Optimizer steps of the whole run (set by the experiment). A relaunch continues to it."""
+
+    global_batch_size: int = 128
+    """Samples per step over all ranks; fixed across world sizes (the sample order depends on it),
+    so it must be divisible by the world size."""
+
+    eval_every_n_steps: int = 0
+    """Validation accuracy every N steps; 0 = only at the end. Each evaluation costs a pass over val/."""
+
+    log_every_n_steps: int = 10
+    """Metrics to MLflow every N steps (batched, off the loop's thread)."""
+
+    num_threads: int = 1
+    """Intra-op CPU threads per process. Fixed, because the float results (and the model hash)
+    depend on it; raise it for speed on CPU-only machines and accept another hash."""
+
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms: bit-identical reruns and resumes, at some speed cost on GPU."""
+
+    progress: Any = "auto"
+    """Progress bar: `auto` = only on a terminal; true | false."""
+
+    signal_grace_seconds: int = 10
+    """After SIGTERM/SIGUSR1, exit hard if the step boundary is not reached by then (a stuck peer)."""
+
+    def __post_init__(self):
+        e = []
+        if not (isinstance(self.max_steps, int) and self.max_steps > 0):
+            e.append(f"trainer.max_steps must be > 0, got {self.max_steps}")
+        if not (isinstance(self.global_batch_size, int) and self.global_batch_size > 0):
+            e.append(f"trainer.global_batch_size must be > 0, got {self.global_batch_size}")
+        if self.eval_every_n_steps < 0:
+            e.append(f"trainer.eval_every_n_steps must be >= 0, got {self.eval_every_n_steps}")
+        if self.log_every_n_steps <= 0:
+            e.append(f"trainer.log_every_n_steps must be > 0, got {self.log_every_n_steps}")
+        if self.num_threads <= 0:
+            e.append(f"trainer.num_threads must be > 0, got {self.num_threads}")
+        if self.progress not in ("auto", True, False):
+            e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
+        if e:
+            raise ValueError("\n  - ".join(e))
+
+
+@dataclass
+class ScheduleConfig:
+    """Schema of `optim/schedule=warmup_cosine` (the default). Any other `optim/schedule` option is a
+    node with a `_target_` called as `fn(optimizer)` (with `_partial_: true`), returning an LR scheduler."""
+
+    _target_: str = "goodput.loop.warmup_cosine"
+    _partial_: bool = True
+    warmup_steps: int = 20
+    """Linear warm-up from lr/warmup_steps to lr: large batches and fresh Adam moments need it."""
+
+    min_lr_ratio: float = 0.05
+    """Cosine decay ends at lr x min_lr_ratio at total_steps."""
+
+    total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
+    """Where the decay ends: the run's trainer.max_steps."""
+
+
+def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Linear warm-up, then cosine decay to lr x min_lr_ratio at total_steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(warmup_steps, total_steps, min_lr_ratio))
 
 
 def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):

@@ -47,5 +47,6 @@ def model_sha256(model: nn.Module) -> str | None:
     h = hashlib.sha256()
     for k in sorted(sd):
         h.update(k.encode())
-        h.update(sd[k].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes
+        h.update(sd[k].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -14,11 +14,27 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from omegaconf import MISSING
 from torch import nn
 
 from goodput.model import shard_units
 
 log = logging.getLogger(__name__)
+
+
+# What torchrun, the elastic agent and srun wrappers set: a process that sees them joins that world
+# (init_distributed would wait for peers). A child that must start its own world gets an env without them.
+LAUNCHER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+)  # fmt: skip
+
+
+def without_launcher_env(env=None, *also: str) -> dict:
+    """A copy of `env` (default: os.environ) without the launcher's variables and the names in `also`."""
+    drop = set(LAUNCHER_ENV) | set(also)
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in drop}
 
 
 @dataclass
@@ -104,3 +120,39 @@ class FSDP:
 
 
 STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}
+
+
+@dataclass
+class ParallelConfig:
+    """Schema of the `parallel` group: how many processes, and how the model is spread over them."""
+
+    strategy: str = MISSING
+    """`single` (one process), `ddp` (a full replica per process, gradients all-reduced) or `fsdp`
+    (parameters, gradients and optimizer state sharded: less memory per process, more communication)."""
+
+    nproc_per_node: int = 1
+    """Worker processes per node (GPUs per node on a cluster). Under an external launcher (torchrun,
+    srun) its WORLD_SIZE is used instead."""
+
+    max_restarts: int = 0
+    """> 0: run under the elastic agent, which restarts all workers from the newest commit when one
+    dies (at most this often). 0 = a crash ends the job; relaunching the command resumes it."""
+
+    rdzv_endpoint: str | None = None
+    """host:port of the rendezvous for multi-node jobs; null = a free port on 127.0.0.1."""
+
+    rdzv_timeout_s: int = 300
+    """Give up joining the rendezvous after this long (a node that never comes up)."""
+
+    def __post_init__(self):
+        e = []
+        if self.strategy not in STRATEGIES:
+            e.append(f"parallel.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if self.nproc_per_node < 1:
+            e.append(f"parallel.nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            e.append(f"parallel.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.rdzv_timeout_s <= 0:
+            e.append(f"parallel.rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
+        if e:
+            raise ValueError("\n  - ".join(e))

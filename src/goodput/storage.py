@@ -64,13 +64,26 @@ class InjectedFault(OSError):
     """A transient error injected by `storage.error_rate` (stands in for a 503 / connection reset)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class StorageConfig:
-    latency_ms: float = 0.0  # added to every remote operation
-    bandwidth_mb_s: float = 0.0  # per-stream cap on remote transfers; 0 = unlimited
-    error_rate: float = 0.0  # probability that a remote operation fails transiently
-    retries: int = 5  # attempts per operation before giving up
-    backoff_s: float = 0.05  # first backoff; doubles each retry, with full jitter
+    """Schema of `storage`: emulation of the remote side (data root and checkpoint dir), so a laptop
+    shows what a network volume costs. On a real cluster leave latency and bandwidth at 0."""
+
+    latency_ms: float = 0.0
+    """Added to every remote operation (list, open, read, write). The demo uses 5 ms."""
+
+    bandwidth_mb_s: float = 0.0
+    """Per-stream cap on remote transfers, MB/s; 0 = unlimited."""
+
+    error_rate: float = 0.0
+    """Probability that a remote operation fails transiently (stands in for a 503); it is retried."""
+
+    retries: int = 5
+    """Attempts per operation before giving up. More rides out longer outages; a dead remote is then
+    reported later (backoff doubles each time)."""
+
+    backoff_s: float = 0.05
+    """First wait between attempts; doubles each retry, with full jitter."""
 
     def __post_init__(self):
         for name in ("latency_ms", "bandwidth_mb_s"):

@@ -7,14 +7,33 @@ loop (and never inflates fetch_seconds); `close()` flushes. Only rank 0 tracks.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import subprocess
 import threading
 import time
+import warnings
+from dataclasses import dataclass
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class MlflowConfig:
+    """Schema of `mlflow`: where the job's run is recorded."""
+
+    tracking_uri: str = "${oc.env:MLFLOW_TRACKING_URI,sqlite:///${paths.root}/mlflow.db}"
+    """A SQLite file under paths.root by default (MLflow 3 refuses plain file stores). Many parallel
+    jobs on one SQLite file wait on its lock: point them at an `mlflow server` instead."""
+
+    experiment: str = "goodput"
+    """MLflow experiment the runs are grouped under."""
+
+    artifact_location: str = "${paths.root}/mlartifacts"
+    """Where the experiment stores artifacts; used only when the experiment is first created."""
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -53,6 +72,25 @@ def get_or_create_experiment(client: MlflowClient, name: str, artifact_location:
         return exp.experiment_id
 
 
+def source_tags(entry_point: str) -> dict[str, str]:
+    """MLflow's source tags: the entry point, and the git commit when it runs from a repository."""
+    path = os.path.abspath(entry_point)
+    tags = {"mlflow.source.name": path, "mlflow.source.type": "LOCAL"}
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=os.path.dirname(path),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if commit.returncode == 0:
+            tags["mlflow.source.git.commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass  # no git here: the entry point alone still says what ran
+    return tags
+
+
 def start_run(
     uri: str,
     experiment: str,
@@ -60,6 +98,7 @@ def start_run(
     params: dict,
     run_id: str | None,
     artifact_location: str | None = None,
+    tags: dict[str, str] | None = None,
 ) -> str:
     """Create the job's run (or continue `run_id`). Called once, before any worker starts."""
     client = MlflowClient(uri)
@@ -71,7 +110,7 @@ def start_run(
         except Exception:
             log.warning("MLflow run %s from the checkpoint is not in %s: starting a new run", run_id, uri)
     exp_id = get_or_create_experiment(client, experiment, artifact_location)
-    run = _retry(client.create_run, exp_id, run_name=run_name)
+    run = _retry(client.create_run, exp_id, run_name=run_name, tags=tags or {})
     items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
         _retry(client.log_batch, run.info.run_id, params=items[i : i + 100])
@@ -131,9 +170,24 @@ class Tracker:
             except Exception as e:
                 log.warning("could not log artifacts %s: %s", path, e)
 
-    def flush(self) -> None:
-        if self.enabled:
-            self._q.join()
+    def log_dataset(self, root: str, digest: str, context: str = "train") -> None:
+        """Fill the run's Dataset column: the data root, named by its last folder, with a digest of
+        its file list (a changed listing shows as another dataset)."""
+        if not self.enabled:
+            return
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the registry warns about its own future
+                source = resolve_dataset_source(root)
+            ds = MetaDataset(source, name=root.rstrip("/").rsplit("/", 1)[-1] or root, digest=digest)
+            entry = DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])
+            _retry(self.client.log_inputs, self.run_id, datasets=[entry])
+        except Exception as e:  # e.g. a protocol MLflow has no dataset source for (memory://)
+            log.warning("MLflow: could not record the dataset %s (%s)", root, e)
 
     def close(self, status: str = "FINISHED") -> None:
         if self.enabled:

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointM
 from goodput.checkpoint.manager import config_hash
 from goodput.checkpoint.resume import explicit_checkpoint, resume
 from goodput.config import validate
+from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.data.synthetic import make_dataset
 from goodput.fault import Faults
@@ -33,7 +35,7 @@ from goodput.lock import RunLock
 from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
 from goodput.storage import Storage, StorageConfig
-from goodput.tracking import Tracker, flatten, start_run
+from goodput.tracking import Tracker, flatten, source_tags, start_run
 
 log = logging.getLogger("goodput")
 
@@ -43,13 +45,7 @@ class AlreadyDone(Exception):
 
 
 def storage_config(c: dict) -> StorageConfig:
-    s = c["storage"]
-    return StorageConfig(
-        latency_ms=s["latency_ms"],
-        bandwidth_mb_s=s["bandwidth_mb_s"],
-        error_rate=s["error_rate"],
-        retries=s["retries"],
-    )
+    return StorageConfig(**c["storage"])
 
 
 # -- once per job, before workers --------------------------------------------------------------
@@ -130,6 +126,7 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
         params,
         previous_run_id,
         c["mlflow"]["artifact_location"],
+        tags=source_tags(sys.argv[0]),
     )
 
 
@@ -158,17 +155,7 @@ def ensure_data(c: dict) -> None:
 
 
 def _ckpt_config(c: dict) -> CheckpointConfig:
-    k = c["checkpoint"]
-    return CheckpointConfig(
-        backend=k["backend"],
-        dir=k["dir"],
-        staging_dir=k["staging_dir"],
-        every_n_steps=k["every_n_steps"],
-        every_n_minutes=k["every_n_minutes"],
-        keep_last=k["keep_last"],
-        async_type=k.get("async_type", "thread"),
-        on_error=k.get("on_error", "raise"),
-    )
+    return CheckpointConfig(**c["checkpoint"])  # every key is there: the schema (goodput.config) says so
 
 
 # -- per rank ----------------------------------------------------------------------------------
@@ -182,14 +169,16 @@ class Trainer:
         np.random.seed(seed % 2**32)
         random.seed(seed)
         dc = c["data"]
-        data_cfg = DataConfig(**{k: dc[k] for k in DataConfig.__dataclass_fields__})
+        data_cfg = DataConfig(**dc)
+        train_tf, eval_tf = augment.build(c["augment"], dc["image_size"])
         data_store = Storage(dc["root"], storage_config(c))
         tr = c["trainer"]
         self.loader = ResumableLoader(
-            data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device
-        )
+            data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device,
+            transform=train_tf,
+        )  # fmt: skip
         local_bs = tr["global_batch_size"] // d.world
-        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device)
+        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device, eval_tf)
         if self.val_loader.dataset.files.classes != self.loader.files.classes:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
@@ -198,10 +187,7 @@ class Trainer:
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
         self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
-        sch = c["optim"]["schedule"]
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, loop.lr_schedule(sch["warmup_steps"], tr["max_steps"], sch["min_lr_ratio"])
-        )
+        self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
         self.ledger = Ledger()
         self.app = AppState(self.model, self.optimizer, d.rank)
         self.app.register("data", self.loader)
@@ -231,6 +217,7 @@ class Trainer:
         self.ckpt.fault = self.faults
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+        self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def attempts_beat(self, step: int) -> None:
         if self.dist.rank == 0:
@@ -275,8 +262,8 @@ def worker(c: dict) -> dict | None:
             dist.broadcast_object_list(info, src=0)
         restarts, first_start = info
         f = c["fault"]
-        t.faults.arm_random(f.get("mtbf_seconds"), f.get("max_kills", 0), c["seed"], restarts)
-        t.faults.arm_chaos(f.get("chaos_p", 0.0), f.get("chaos_seed", 0), f.get("max_kills", 0), restarts)
+        t.faults.arm_random(f["mtbf_seconds"], f["max_kills"], c["seed"], restarts)
+        t.faults.arm_chaos(f["chaos_p"], f["chaos_seed"], f["max_kills"], restarts)
         if restarts:
             t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
         if rec is None:  # nothing restored: wall time still counts from the run's first attempt

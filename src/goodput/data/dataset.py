@@ -7,15 +7,14 @@ import logging
 
 import torch
 from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms import v2
 
+from goodput.data import augment
 from goodput.data.sampler import sample_seed
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
 class BadSampleError(RuntimeError):
@@ -70,29 +69,6 @@ class FileList:
         return len(self.files)
 
 
-def train_transform(size: int) -> v2.Compose:
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(MEAN, STD),
-        ]
-    )
-
-
-def eval_transform(size: int) -> v2.Compose:
-    return v2.Compose(
-        [
-            v2.Resize(size, antialias=True),
-            v2.CenterCrop(size),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(MEAN, STD),
-        ]
-    )
-
-
 class ImageDataset(torch.utils.data.Dataset):
     """Map-style dataset keyed by (epoch, index) for training, index for eval.
 
@@ -101,10 +77,20 @@ class ImageDataset(torch.utils.data.Dataset):
     Index -1 is padding (equal batch counts per rank): a zero image with label -1, ignored by the loss.
     """
 
-    def __init__(self, source, files: FileList, image_size: int, seed: int, train: bool, on_bad_sample: str):
+    def __init__(
+        self,
+        source,
+        files: FileList,
+        image_size: int,
+        seed: int,
+        train: bool,
+        on_bad_sample: str,
+        transform=None,
+    ):
         self.source, self.files, self.seed, self.train = source, files, seed, train
         self.image_size, self.on_bad_sample = image_size, on_bad_sample
-        self.transform = train_transform(image_size) if train else eval_transform(image_size)
+        # `transform`: from the augment group (goodput.data.augment.build); None = its defaults.
+        self.transform = transform or augment.build(None, image_size)[0 if train else 1]
 
     def __len__(self) -> int:
         return len(self.files)

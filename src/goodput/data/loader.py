@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint
+from goodput.data.config import DataConfig
 from goodput.data.dataset import FileList, ImageDataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
 from goodput.data.sources import SOURCES
@@ -25,20 +25,6 @@ log = logging.getLogger(__name__)
 
 class DatasetChangedError(IncompatibleCheckpoint):
     pass
-
-
-@dataclass
-class DataConfig:
-    backend: str
-    root: str
-    cache_dir: str
-    image_size: int
-    num_workers: int
-    prefetch_factor: int
-    prefetch_steps: int
-    prefetch_threads: int
-    cache_limit: int | None
-    on_bad_sample: str
 
 
 def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
@@ -66,6 +52,7 @@ class ResumableLoader:
         rank: int,
         world: int,
         device: torch.device,
+        transform=None,
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source = SOURCES[cfg.backend](
@@ -86,7 +73,9 @@ class ResumableLoader:
                     f"(data.prefetch_steps={cfg.prefetch_steps} + 1 steps of {global_batch_size} files, "
                     f"up to {sum(largest)} bytes here): raise data.cache_limit or lower data.prefetch_steps"
                 )
-        self.dataset = ImageDataset(self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample)
+        self.dataset = ImageDataset(
+            self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, transform
+        )
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
         self.seed = seed
         self.step = 0  # next step to deliver
@@ -164,9 +153,7 @@ class ResumableLoader:
     def state_dict(self) -> dict:
         return {
             "seed": self.seed,
-            "step": self.step,
-            "epoch": self.epoch,
-            "position": (self.step % self.order.steps_per_epoch) * self.order.global_batch_size,
+            "step": self.step,  # epoch and position within it follow from step (GlobalOrder)
             "num_samples": self.order.num_samples,
             "fingerprint": self.files.fingerprint,
             "global_batch_size": self.order.global_batch_size,
@@ -196,14 +183,14 @@ class ResumableLoader:
 
 
 def eval_loader(
-    cfg: DataConfig, storage: Storage, batch_size: int, rank: int, world: int, device
+    cfg: DataConfig, storage: Storage, batch_size: int, rank: int, world: int, device, transform=None
 ) -> DataLoader:
     """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
     source = SOURCES[cfg.backend](
         storage, cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit
     )
     files = FileList(storage, "val")
-    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample)
+    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, transform)
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))
     idx += [-1] * (per_rank - len(idx))

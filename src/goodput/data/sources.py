@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from goodput.data.config import DataConfig
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class CachedSource:
         self,
         storage: Storage,
         cache_dir: str,
-        prefetch_threads: int = 8,
+        prefetch_threads: int = DataConfig.prefetch_threads,
         cache_limit: int | None = None,
         **_,
     ):
