@@ -1,9 +1,9 @@
 """The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
 
-Each schema lives beside the component that reads it (goodput.data.config, goodput.data.augment,
-goodput.loop, goodput.parallel, goodput.fault, goodput.storage, goodput.tracking); the ones that
-belong to the job as a whole are here. Group files start from their schema (`defaults: [base]`) and
-say only what differs, so a mistyped key in a file or an override fails at compose time, naming the
+Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
+goodput.data.augment, goodput.loop, goodput.parallel, goodput.fault, goodput.storage,
+goodput.tracking); the ones that belong to the job as a whole are here. Group files start from their
+schema (`defaults: [base]`) and say only what differs, so a mistyped key in a file or an override fails at compose time, naming the
 key and the file. Defaults, documentation and checks (`__post_init__`) are written once, in the
 schema; `validate()` adds the checks that span groups or need the machine.
 """
@@ -18,14 +18,14 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from goodput.checkpoint import BACKENDS
+from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig, DatasetConfig
 from goodput.fault import FaultConfig
 from goodput.loop import ScheduleConfig, TrainerConfig
 from goodput.parallel import ParallelConfig
-from goodput.storage import StorageConfig, check_url
+from goodput.storage import StorageConfig
 from goodput.tracking import MlflowConfig
 
 
@@ -74,72 +74,6 @@ class RunConfig:
     lock_stale_seconds: int = 120
     """A run lock without heartbeat for this long belongs to a dead job and is taken over. Shorter
     relaunches faster after a crash; too short lets a slow-but-alive job be joined by a second one."""
-
-
-@dataclass
-class CheckpointConfig:
-    """Schema of the `checkpoint` group (read by goodput.checkpoint.CheckpointManager and the backend)."""
-
-    backend: str = MISSING
-    """How a rank writes its state: `torch_save` (rank 0 gathers and writes one file; simplest, slow
-    for big models), `dcp_sync` (every rank writes its shard; the loop waits for write + upload),
-    `dcp_async` (every rank writes its shard in the background; the loop waits only for the copy)."""
-
-    dir: str = "${paths.checkpoint_dir}/${run.name}"
-    """Where committed checkpoints live: a path or fsspec URL, shared by all nodes."""
-
-    staging_dir: str = "${paths.staging_dir}/${run.name}"
-    """Node-local fast disk where each save is written before it is uploaded to `dir`."""
-
-    every_n_steps: int | None = 50
-    """Save every N steps (null = off). Each save costs the loop its blocking part (dcp_async: the copy
-    to host memory; sync backends: write + upload); a crash loses on average half an interval of work.
-    The best interval is about sqrt(2 x save cost x MTBF): `python -m goodput.calculator optimal-interval`."""
-
-    every_n_minutes: float | None = None
-    """Also (or instead) save when this much wall time passed since the last save; null = off.
-    Steps of varying length make a time interval the steadier bound on lost work."""
-
-    keep_last: int = 2
-    """Committed checkpoints kept (the newest is never deleted). More = older fallbacks if the
-    newest proves unreadable, at the cost of storage."""
-
-    async_type: str = "thread"
-    """dcp_async only: `thread` writes in a background thread (shares the GIL with the loop),
-    `process` in a daemon process (no GIL contention, a process and its start-up per job)."""
-
-    on_error: str = "raise"
-    """A save that fails: `raise` stops the run; `continue` logs it and trains on (the previous
-    commit stays the newest, so a crash would lose more)."""
-
-    commit_timeout_s: float = 1800.0
-    """Rank 0 waits this long for every rank's upload before giving up on a commit."""
-
-    def __post_init__(self):
-        e = []
-        if self.backend not in BACKENDS:
-            e.append(f"checkpoint.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
-        for key in ("every_n_steps", "every_n_minutes"):
-            v = getattr(self, key)
-            if v is not None and v <= 0:
-                e.append(f"checkpoint.{key} must be > 0 or null, got {v}")
-        if self.keep_last < 1:
-            e.append(
-                "checkpoint.keep_last must be >= 1 (the newest commit is never deleted), "
-                f"got {self.keep_last}"
-            )
-        if self.async_type not in ("thread", "process"):
-            e.append(f"checkpoint.async_type must be thread|process, got {self.async_type!r}")
-        if self.on_error not in ("raise", "continue"):
-            e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
-        if self.commit_timeout_s <= 0:
-            e.append(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
-        try:
-            check_url(str(self.dir), "checkpoint.dir")
-        except ValueError as err:
-            e.append(str(err))
-        if e:
-            raise ValueError("\n  - ".join(e))
 
 
 @dataclass

@@ -20,12 +20,12 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from goodput.checkpoint.backends import READERS
+from goodput.checkpoint.config import CheckpointConfig
 from goodput.checkpoint.layout import (
     COMMIT,
     RANKS,
@@ -45,19 +45,6 @@ log = logging.getLogger(__name__)
 
 class ChecksumMismatch(OSError):
     """A file whose bytes differ from what its commit recorded."""
-
-
-@dataclass
-class CheckpointConfig:
-    backend: str
-    dir: str
-    staging_dir: str
-    every_n_steps: int | None
-    every_n_minutes: float | None
-    keep_last: int
-    async_type: str = "thread"
-    on_error: str = "raise"  # or "continue": a failed save is logged, training goes on
-    commit_timeout_s: float = 1800.0
 
 
 class SaveFailed(RuntimeError):
