@@ -2,10 +2,11 @@
 
 Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
 goodput.data.augment, goodput.loop, goodput.parallel, goodput.fault, goodput.storage,
-goodput.tracking); the ones that belong to the job as a whole are here. Group files start from their
-schema (`defaults: [base]`) and say only what differs, so a mistyped key in a file or an override fails at compose time, naming the
-key and the file. Defaults, documentation and checks (`__post_init__`) are written once, in the
-schema; `validate()` adds the checks that span groups or need the machine.
+goodput.tracking); the ones that belong to the job as a whole are here. Group files start from
+their schema (`defaults: [base]`) and say only what differs, so a mistyped key in a file or an
+override fails at compose time, naming the key and the file. Defaults, documentation and checks
+(`__post_init__`) are written once, in the schema; `validate()` adds the checks that span groups
+or need the machine.
 """
 
 from __future__ import annotations
