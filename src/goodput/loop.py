@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,30 +18,44 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class StopSignal:
-    """SIGTERM / SIGUSR1 (a preemption notice): finish the step, checkpoint, wait for the upload, exit 0.
+    """SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (a preemption notice, however the scheduler sends it): finish
+    the step, checkpoint, wait for the upload, exit 0.
 
     The flag is acted on at the next step boundary, which all ranks must reach. If they do not
     within `grace_s` (a peer died and this rank is stuck in a collective: the elastic agent sends
     SIGTERM to the survivors in exactly that case), exit at once so the restart is not delayed.
+    A second signal exits at once too (a second Ctrl-C), except the same signal again within
+    `dup_s`: that is the same notice by two routes (sent to the process group, and forwarded by the
+    elastic agent's process, goodput.launch).
     """
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, dup_s: float = 2.0):
         self.received = None
-        self.grace_s = grace_s
+        self.grace_s, self.dup_s = grace_s, dup_s
+        self._first = None  # (signum, monotonic time)
         self._timer = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self._previous = {}
+        for sig in PREEMPT_SIGNALS:
             try:
-                signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave the default handlers
                 pass
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self._first is not None:
+            if signum == self._first[0] and now - self._first[1] < self.dup_s:
+                return
+            os._exit(128 + signum)
+        self._first = (signum, now)
         self.received = signal.Signals(signum).name
-        if self._timer is None:
-            self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
-            self._timer.daemon = True
-            self._timer.start()
+        self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+        self._timer.daemon = True
+        self._timer.start()
 
     def agreed(self, world: int) -> bool:
         t = torch.tensor([1 if self.received else 0])
@@ -51,11 +66,27 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except ValueError:
-                pass
+        """Put back the handlers found at start (SIG_DFL, or submitit's: see goodput.launch)."""
+        for sig, h in self._previous.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+@contextlib.contextmanager
+def signals_blocked():
+    """Block the preemption signals in this thread while it starts helpers (DataLoader workers,
+    DCP's async-checkpoint daemon, background threads): a fork or spawn inherits the mask, across
+    exec too, so a signal sent to the whole process group stays pending in the helper, never
+    delivered, and the main process alone decides when to stop. Meanwhile other threads of this
+    process still take the signal for the main thread's handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -171,7 +202,8 @@ def train(t) -> dict:
 
         stopping = stop.agreed(d.world)
         if t.ckpt.due(step) or step == max_steps or stopping:
-            blocking = t.ckpt.save(step, t.app)
+            with signals_blocked():  # the first async save may start DCP's daemon and threads
+                blocking = t.ckpt.save(step, t.app)
             t.ledger.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
         for m in t.ckpt.drain_metrics():

@@ -1,0 +1,87 @@
+"""Preemption as schedulers send it: a signal to the whole process group (SLURM's scancel, timeout(1),
+a terminal's Ctrl-C) while DataLoader workers and prefetch threads run. The job finishes the step,
+commits a checkpoint and exits 0; the relaunch ends with the uninterrupted run's model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_train, train_cmd
+
+pytestmark = pytest.mark.slow
+
+# Workers and prefetch threads running, and enough steps that the signal lands mid-run.
+EXTRA = ("data.num_workers=2", "trainer.max_steps=40")
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(
+        int(p.parent.name.split("-")[1]) for p in (root / "checkpoints").glob("**/step-*/COMMIT.json")
+    )
+
+
+def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float = 240):
+    """Start the real entry point in its own session, wait for the first committed checkpoint
+    (training is under way), send `sig` to the whole process group; returns (rc, output)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = root / "interrupted.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not committed_steps(root):
+            assert p.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint committed in time"
+            time.sleep(0.05)
+        os.killpg(p.pid, sig)
+        try:
+            rc = p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return rc, log.read_text()
+
+
+def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *overrides: str) -> None:
+    rc, out = interrupt(root, sig, *overrides)
+    assert rc == 0, out[-6000:]
+    assert f"received {sig.name}: checkpointed step" in out, out[-6000:]
+    assert "killed by signal" not in out, out[-6000:]
+    stopped = committed_steps(root)[-1]
+    assert 0 < stopped < 40, f"stopped at {stopped}: the signal did not land mid-run"
+    summary = json.loads(sorted(root.glob("runs/**/summary.json"), key=os.path.getmtime)[-1].read_text())
+    assert summary["preempted"] == sig.name and summary["steps"] == stopped
+    _, s = run_train(root, *overrides)
+    assert s["resumed_from_steps"] == [stopped] and s["steps"] == 40
+    assert s["model_sha256"] == ref["model_sha256"]
+    assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: s.name
+)
+def test_process_group_signal_single(tmp_path, smoke_reference, sig):
+    ref = smoke_reference("dcp_sync", *EXTRA)
+    check_preempted_then_resumed(tmp_path, sig, ref, "checkpoint=dcp_sync", *EXTRA)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference_40(tmp_path_factory):
+    _, s = run_train(tmp_path_factory.mktemp("ddp-ref-40"), "parallel=ddp", "checkpoint=dcp_sync", *EXTRA)
+    return s
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
+def test_process_group_signal_ddp_under_the_elastic_agent(tmp_path, ddp_reference_40, sig):
+    check_preempted_then_resumed(
+        tmp_path, sig, ddp_reference_40, "parallel=ddp", "checkpoint=dcp_sync", *EXTRA
+    )
