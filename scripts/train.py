@@ -13,6 +13,11 @@ from pathlib import Path
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 
+from goodput.signals import HELPER_ENV, obey_parent_only  # noqa: E402
+
+if __name__ == "__mp_main__" and os.environ.get(HELPER_ENV):  # a helper the loop spawned: first thing
+    obey_parent_only()
+
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402

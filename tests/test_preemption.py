@@ -85,3 +85,12 @@ def test_process_group_signal_ddp_under_the_elastic_agent(tmp_path, ddp_referenc
     check_preempted_then_resumed(
         tmp_path, sig, ddp_reference_40, "parallel=ddp", "checkpoint=dcp_sync", *EXTRA
     )
+
+
+def test_process_group_signal_spares_the_async_checkpoint_daemon(tmp_path, smoke_reference):
+    """checkpoint.async_type=process: DCP's spawned daemon is in the process group too; a daemon killed
+    by the signal would fail the final save ("Connection reset by peer"), one that ignored its
+    parent's SIGTERM would hang the exit (multiprocessing terminates daemonic children)."""
+    extra = ("checkpoint.async_type=process", *EXTRA)
+    ref = smoke_reference("dcp_async", *extra)
+    check_preempted_then_resumed(tmp_path, signal.SIGTERM, ref, "checkpoint=dcp_async", *extra)

@@ -16,8 +16,8 @@ import signal
 import time
 import uuid
 
-from goodput.loop import PREEMPT_SIGNALS
 from goodput.parallel import free_port
+from goodput.signals import PREEMPT_SIGNALS
 from goodput.train import worker
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -15,10 +14,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS, signals_blocked
+
 log = logging.getLogger(__name__)
-
-
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopSignal:
@@ -39,6 +37,8 @@ class StopSignal:
         self._first = None  # (signum, monotonic time)
         self._timer = None
         self._previous = {}
+        self._env = os.environ.get(HELPER_ENV)
+        os.environ[HELPER_ENV] = "1"
         for sig in PREEMPT_SIGNALS:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -70,23 +70,8 @@ class StopSignal:
         for sig, h in self._previous.items():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
         self._previous = {}
-
-
-@contextlib.contextmanager
-def signals_blocked():
-    """Block the preemption signals in this thread while it starts helpers (DataLoader workers,
-    DCP's async-checkpoint daemon, background threads): a fork or spawn inherits the mask, across
-    exec too, so a signal sent to the whole process group stays pending in the helper, never
-    delivered, and the main process alone decides when to stop. Meanwhile other threads of this
-    process still take the signal for the main thread's handler."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPT_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if self._env is None:
+            os.environ.pop(HELPER_ENV, None)
 
 
 def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):

@@ -8,7 +8,6 @@ taken after step k resumes at step k+1 exactly, with any `data.num_workers`.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data.dataset import FileList, ImageDataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
 from goodput.data.sources import SOURCES
-from goodput.loop import PREEMPT_SIGNALS, signals_blocked
+from goodput.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -46,9 +45,7 @@ class DataConfig:
 def _ignore_preemption(worker_id: int) -> None:
     # A preemption notice goes to the whole process group; a worker that died of it would fail the
     # main process before it could checkpoint. Workers leave shutdown to the main process.
-    for sig in PREEMPT_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)  # discards any instance pending since the fork, too
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPT_SIGNALS)
+    obey_parent_only()
 
 
 class QuietWorkersLoader(DataLoader):
