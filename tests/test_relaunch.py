@@ -1,0 +1,107 @@
+"""Relaunching always works: whatever a first start creates (MLflow store, demo dataset) is made
+aside and moved into place, or repaired on relaunch; SIGKILLs at random moments never need a person."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+
+import pytest
+from conftest import REPO, final_checkpoint_state, run_train, train_cmd
+
+from goodput.data.synthetic import COMPLETE, make_dataset, read_record
+from goodput.tracking import ensure_store, start_run
+
+
+def test_store_is_created_aside_then_linked(tmp_path):
+    db = tmp_path / "mlflow.db"
+    run_id = start_run(f"sqlite:///{db}", "exp", "r", {"a": "1"}, None, str(tmp_path / "art"))
+    assert run_id and db.exists()
+    assert [p.name for p in tmp_path.iterdir() if "creating" in p.name] == []
+
+
+def test_half_made_store_is_moved_aside_with_a_warning(tmp_path, caplog):
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:  # what a kill during MLflow's table creation leaves
+        con.execute("CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY, name TEXT)")
+        con.execute("CREATE TABLE spans (trace_id TEXT)")
+    with caplog.at_level(logging.WARNING):
+        run_id = start_run(f"sqlite:///{db}", "exp", "r", {}, None, str(tmp_path / "art"))
+    assert run_id
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.broken-")]
+    assert len(aside) == 1
+    assert f"MLflow store {db} is half-made" in caplog.text and str(aside[0]) in caplog.text
+
+
+def test_a_store_with_runs_is_never_moved_aside(tmp_path):
+    db = tmp_path / "mlflow.db"
+    start_run(f"sqlite:///{db}", "exp", "r", {}, None, str(tmp_path / "art"))
+    with sqlite3.connect(db) as con:  # a schema this MLflow does not know (a newer one, say)
+        con.execute("UPDATE alembic_version SET version_num = 'f0000000000f'")
+    ensure_store(f"sqlite:///{db}")  # left to MLflow, which asks for `mlflow db upgrade`
+    assert db.exists() and not [p for p in tmp_path.iterdir() if ".broken-" in p.name]
+
+
+def test_dataset_is_generated_aside(tmp_path):
+    root = tmp_path / "data"
+    os.makedirs(f"{root}.partial-999999999")  # a killed generator's leftovers (no such pid)
+    n = make_dataset(str(root), num_classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    assert n["train"] == 6 and read_record(str(root))["train"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    # into an existing folder holding other things: train/ and val/ replaced, the record last
+    other = tmp_path / "other"
+    (other / "train" / "stale").mkdir(parents=True)
+    (other / "keep.txt").write_text("x")
+    make_dataset(str(other), num_classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    assert (other / "keep.txt").exists() and not (other / "train" / "stale").exists()
+    assert (other / COMPLETE).exists() and len(list((other / "train").rglob("*.jpg"))) == 6
+
+
+# -- SIGKILL at random moments of a first start and of later runs -------------------------------
+def _kill_after(root, delay: float, *overrides: str) -> int:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    with open(root / "killed.log", "a") as out:
+        p = subprocess.Popen(
+            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return p.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            return p.wait()
+
+
+@pytest.mark.slow
+def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tmp_path, smoke_reference):
+    """Each trial: a fresh root (no store, no data), SIGKILLs to the process group at seeded random
+    delays (start-up, data generation, store creation, restore, steps, saves), then relaunches
+    until the run completes; it must end with the uninterrupted run's model."""
+    extra = ("trainer.max_steps=16", "dataset.train_per_class=60")
+    ref = smoke_reference("dcp_async", *extra)
+    rng = random.Random(7)
+    killed = []
+    for trial in range(3):
+        root = tmp_path / f"t{trial}"
+        root.mkdir()
+        for _ in range(3):  # 3 kills, the first early (imports, data, store), later ones anywhere
+            delay = rng.uniform(2, 12) if not killed or killed[-1][0] != trial else rng.uniform(1, 25)
+            rc = _kill_after(root, delay, "checkpoint=dcp_async", *extra)
+            killed.append((trial, round(delay, 1), rc))
+            if rc == 0:
+                break
+        _, s = run_train(root, "checkpoint=dcp_async", *extra)
+        model_sha, order_sha = final_checkpoint_state(root / "checkpoints" / "smoke")
+        assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"]), (trial, killed)
+        if s is not None:
+            assert s["model_sha256"] == ref["model_sha256"]
+        data = json.loads(next((root / "remote" / "data").glob(f"*/{COMPLETE}")).read_text())
+        assert data["train"] == 600
+    print("kills (trial, seconds, rc):", killed)
+    assert sum(rc == -signal.SIGKILL for _, _, rc in killed) >= 5
