@@ -63,19 +63,36 @@ def test_dataset_is_generated_aside(tmp_path):
 
 
 # -- SIGKILL at random moments of a first start and of later runs -------------------------------
-def _kill_after(root, delay: float, *overrides: str) -> int:
+# What an attempt logs as it goes, in order: the last one found says where a kill landed.
+MARKERS = [
+    ("demo data not found", "data generation"),
+    ("wrote ", "start-up"),
+    ("Creating initial MLflow database tables", "store creation"),
+    ("resumed from", "steps after a restore"),
+    ("committed", "steps and saves"),
+]
+
+
+def _phase(log: str) -> str:
+    found = [(log.rfind(m), label) for m, label in MARKERS if m in log]
+    return max(found)[1] if found else "start-up"
+
+
+def _kill_after(root, delay: float, *overrides: str) -> tuple[int, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    with open(root / "killed.log", "a") as out:
+    log = root / "attempt.log"
+    with open(log, "w") as out:
         p = subprocess.Popen(
             train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
         try:
-            return p.wait(timeout=delay)
+            rc = p.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            return p.wait()
+            rc = p.wait()
+    return rc, log.read_text()
 
 
 @pytest.mark.slow
@@ -92,8 +109,8 @@ def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tm
         root.mkdir()
         for _ in range(3):  # 3 kills, the first early (imports, data, store), later ones anywhere
             delay = rng.uniform(2, 12) if not killed or killed[-1][0] != trial else rng.uniform(1, 25)
-            rc = _kill_after(root, delay, "checkpoint=dcp_async", *extra)
-            killed.append((trial, round(delay, 1), rc))
+            rc, log = _kill_after(root, delay, "checkpoint=dcp_async", *extra)
+            killed.append((trial, round(delay, 1), rc, _phase(log) if rc else "finished"))
             if rc == 0:
                 break
         _, s = run_train(root, "checkpoint=dcp_async", *extra)
@@ -103,5 +120,6 @@ def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tm
             assert s["model_sha256"] == ref["model_sha256"]
         data = json.loads(next((root / "remote" / "data").glob(f"*/{COMPLETE}")).read_text())
         assert data["train"] == 600
-    print("kills (trial, seconds, rc):", killed)
-    assert sum(rc == -signal.SIGKILL for _, _, rc in killed) >= 5
+    print("attempts (trial, seconds, rc, killed during):", killed)
+    assert sum(rc == -signal.SIGKILL for _, _, rc, _ in killed) >= 5
+    assert len({phase for *_, phase in killed} - {"finished"}) >= 2  # kills landed in several phases

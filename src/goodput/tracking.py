@@ -6,6 +6,7 @@ loop (and never inflates fetch_seconds); `close()` flushes. Only rank 0 tracks.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import queue
@@ -16,6 +17,8 @@ import uuid
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+
+from goodput.lock import _pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,11 @@ def ensure_store(uri: str) -> None:
             aside,
         )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.creating-{uuid.uuid4().hex[:8]}"
+    for stale in glob.glob(f"{glob.escape(path)}.creating-*"):  # left by killed jobs (pid is dead)
+        pid = stale.split("-")[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            os.unlink(stale)
+    tmp = f"{path}.creating-{uuid.uuid4().hex[:8]}-{os.getpid()}"
     try:
         from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 

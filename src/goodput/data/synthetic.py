@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from PIL import Image, ImageDraw
 
+from goodput.lock import _pid_alive
+
 # Written last, after train/ and val/ are in place: a dataset without it is partial (the generator
 # was killed) and is never trained on (goodput.train.ensure_data regenerates it).
 COMPLETE = "DATASET.json"
@@ -87,7 +89,7 @@ def make_dataset(
         raise ValueError(f"image_size must be >= 8, got {image_size}")
     root = os.path.abspath(root)
     for stale in glob.glob(f"{glob.escape(root)}.partial-*"):  # left by killed generators
-        if not _pid_alive(stale.rsplit("-", 1)[-1]):
+        if _dead(stale.rsplit("-", 1)[-1]):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = f"{root}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -124,14 +126,8 @@ def read_record(root: str) -> dict | None:
         return None
 
 
-def _pid_alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        pass
-    return True
+def _dead(pid: str) -> bool:
+    return not pid.isdigit() or not _pid_alive(int(pid))
 
 
 def _move_into_place(tmp: str, root: str, record: dict) -> None:
