@@ -94,3 +94,59 @@ def test_process_group_signal_spares_the_async_checkpoint_daemon(tmp_path, smoke
     extra = ("checkpoint.async_type=process", *EXTRA)
     ref = smoke_reference("dcp_async", *extra)
     check_preempted_then_resumed(tmp_path, signal.SIGTERM, ref, "checkpoint=dcp_async", *extra)
+
+
+def _task_pid(folder: Path, deadline: float) -> int:
+    """The submitit task process (python -m submitit.core._submit <folder>) under `folder`."""
+    while time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"submitit.core._submit" in cmd and any(str(folder).encode() in c for c in cmd):
+                return int(d.name)
+        time.sleep(0.2)
+    raise AssertionError("no submitit task process found")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the task process through /proc")
+def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference):
+    """hydra/launcher=submitit_local: submitit installs its own USR2 handler (checkpoint, requeue,
+    exit) in the task process. The loop must take USR2, commit, and hand the signal back to
+    submitit, which requeues; the requeued task resumes to the uninterrupted run's model.
+    The signal is sent the way submitit's local controller sends it (to the task process) once
+    training is under way; timeout_min is long so the controller's own timer never fires."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    ref = smoke_reference("dcp_sync", *EXTRA)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = train_cmd(
+        tmp_path, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30",
+        "checkpoint=dcp_sync", *EXTRA,
+    )  # fmt: skip
+    with open(tmp_path / "hydra.log", "w") as out:
+        p = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 240
+            pid = _task_pid(tmp_path, deadline)
+            while not committed_steps(tmp_path):
+                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "hydra.log").read_text()
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGUSR2)
+            rc = p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = "".join(f.read_text() for f in sorted(tmp_path.glob("multirun/**/.submitit/**/*_log.*")))
+    assert rc == 0, (tmp_path / "hydra.log").read_text()[-3000:] + logs[-5000:]
+    assert "received SIGUSR2: checkpointed step" in logs, logs[-5000:]
+    assert "passing SIGUSR2 on to the handler installed before the run" in logs
+    assert "Requeued job" in logs  # submitit's own requeue, after our commit
+    summaries = [json.loads(f.read_text()) for f in tmp_path.glob("multirun/**/summary.json")]
+    final = [s for s in summaries if s["steps"] == 40]
+    assert len(final) == 1 and final[0]["resumed_from_steps"]
+    assert final[0]["model_sha256"] == ref["model_sha256"]
+    assert final[0]["sample_order_sha256"] == ref["sample_order_sha256"]

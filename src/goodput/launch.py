@@ -40,12 +40,14 @@ def launch(c: dict) -> dict | None:
         summary = worker(c)
     else:
         summary = _elastic(c)
-    _hand_back(summary, previous)
+    _hand_back(summary, previous, c["trainer"]["max_steps"])
     return summary
 
 
-def _hand_back(summary: dict | None, previous: dict) -> None:
+def _hand_back(summary: dict | None, previous: dict, max_steps: int) -> None:
     name = (summary or {}).get("preempted")
+    if name is None or summary["steps"] >= max_steps:  # finished anyway: nothing to requeue
+        return
     handler = previous.get(getattr(signal, name or "", None))
     if callable(handler) and handler is not signal.default_int_handler:  # that one would raise
         log.info("checkpoint committed: passing %s on to the handler installed before the run", name)
