@@ -10,6 +10,7 @@ import random
 import signal
 import sqlite3
 import subprocess
+import time
 
 import pytest
 from conftest import REPO, final_checkpoint_state, run_train, train_cmd
@@ -64,10 +65,11 @@ def test_dataset_is_generated_aside(tmp_path):
 
 # -- SIGKILL at random moments of a first start and of later runs -------------------------------
 # What an attempt logs as it goes, in order: the last one found says where a kill landed.
+STORE = "Creating initial MLflow database tables"
 MARKERS = [
     ("demo data not found", "data generation"),
     ("wrote ", "start-up"),
-    ("Creating initial MLflow database tables", "store creation"),
+    (STORE, "store creation"),
     ("resumed from", "steps after a restore"),
     ("committed", "steps and saves"),
 ]
@@ -75,10 +77,12 @@ MARKERS = [
 
 def _phase(log: str) -> str:
     found = [(log.rfind(m), label) for m, label in MARKERS if m in log]
-    return max(found)[1] if found else "start-up"
+    return max(found)[1] if found else "start-up or restore"
 
 
-def _kill_after(root, delay: float, *overrides: str) -> tuple[int, str]:
+def _kill_at(root, anchor: str | None, delay: float, *overrides: str) -> tuple[int, str]:
+    """Start the entry point; `delay` s after `anchor` appears in its output (after the start if
+    None), SIGKILL its process group. Returns (exit status, output)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     log = root / "attempt.log"
@@ -87,6 +91,10 @@ def _kill_after(root, delay: float, *overrides: str) -> tuple[int, str]:
             train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while anchor is not None and anchor not in log.read_text() and p.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         try:
             rc = p.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -95,31 +103,42 @@ def _kill_after(root, delay: float, *overrides: str) -> tuple[int, str]:
     return rc, log.read_text()
 
 
+# Where kills are aimed: (anchor in the output, seconds after it), drawn at random per attempt.
+FIRST_START = [(None, (1.0, 8.0)), ("demo data not found", (0.0, 0.6)), (STORE, (0.0, 3.0))]
+LATER_RUN = [
+    (None, (1.0, 10.0)),
+    (STORE, (0.0, 3.0)),
+    ("resumed from", (0.0, 1.0)),
+    ("committed", (0.0, 1.5)),
+]
+
+
 @pytest.mark.slow
 def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tmp_path, smoke_reference):
     """Each trial: a fresh root (no store, no data), SIGKILLs to the process group at seeded random
-    delays (start-up, data generation, store creation, restore, steps, saves), then relaunches
-    until the run completes; it must end with the uninterrupted run's model."""
-    extra = ("trainer.max_steps=16", "dataset.train_per_class=60")
+    moments (start-up, data generation, store creation, restore, steps, saves) of the first start
+    and of the relaunches, then a relaunch to the end: every trial ends with the uninterrupted
+    run's model, and nobody had to delete anything."""
+    extra = ("trainer.max_steps=16", "dataset.train_per_class=150", "checkpoint.every_n_steps=2")
     ref = smoke_reference("dcp_async", *extra)
     rng = random.Random(7)
-    killed = []
+    attempts = []
     for trial in range(3):
         root = tmp_path / f"t{trial}"
         root.mkdir()
-        for _ in range(3):  # 3 kills, the first early (imports, data, store), later ones anywhere
-            delay = rng.uniform(2, 12) if not killed or killed[-1][0] != trial else rng.uniform(1, 25)
-            rc, log = _kill_after(root, delay, "checkpoint=dcp_async", *extra)
-            killed.append((trial, round(delay, 1), rc, _phase(log) if rc else "finished"))
+        for k in range(3):
+            anchor, (lo, hi) = rng.choice(FIRST_START if k == 0 else LATER_RUN)
+            rc, log = _kill_at(root, anchor, rng.uniform(lo, hi), "checkpoint=dcp_async", *extra)
+            attempts.append((trial, rc, _phase(log) if rc else "finished"))
             if rc == 0:
                 break
         _, s = run_train(root, "checkpoint=dcp_async", *extra)
         model_sha, order_sha = final_checkpoint_state(root / "checkpoints" / "smoke")
-        assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"]), (trial, killed)
+        assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"]), (trial, attempts)
         if s is not None:
             assert s["model_sha256"] == ref["model_sha256"]
         data = json.loads(next((root / "remote" / "data").glob(f"*/{COMPLETE}")).read_text())
-        assert data["train"] == 600
-    print("attempts (trial, seconds, rc, killed during):", killed)
-    assert sum(rc == -signal.SIGKILL for _, _, rc, _ in killed) >= 5
-    assert len({phase for *_, phase in killed} - {"finished"}) >= 2  # kills landed in several phases
+        assert data["train"] == 1500
+    print("attempts (trial, exit status, killed during):", attempts)
+    assert sum(rc == -signal.SIGKILL for _, rc, _ in attempts) >= 5
+    assert len({phase for *_, phase in attempts} - {"finished"}) >= 3  # kills landed in several phases
