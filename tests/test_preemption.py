@@ -26,9 +26,10 @@ def committed_steps(root: Path) -> list[int]:
     )
 
 
-def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float = 240):
+def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float = 240, group: bool = True):
     """Start the real entry point in its own session, wait for the first committed checkpoint
-    (training is under way), send `sig` to the whole process group; returns (rc, output)."""
+    (training is under way), send `sig` to the whole process group (or to the process started,
+    alone); returns (rc, output)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     log = root / "interrupted.log"
@@ -42,7 +43,7 @@ def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float =
             assert p.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "no checkpoint committed in time"
             time.sleep(0.05)
-        os.killpg(p.pid, sig)
+        (os.killpg if group else os.kill)(p.pid, sig)
         try:
             rc = p.wait(timeout=timeout)
         finally:
@@ -51,8 +52,8 @@ def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float =
     return rc, log.read_text()
 
 
-def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *overrides: str) -> None:
-    rc, out = interrupt(root, sig, *overrides)
+def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *overrides: str, group=True):
+    rc, out = interrupt(root, sig, *overrides, group=group)
     assert rc == 0, out[-6000:]
     assert f"received {sig.name}: checkpointed step" in out, out[-6000:]
     assert "killed by signal" not in out, out[-6000:]
@@ -85,6 +86,13 @@ def test_process_group_signal_ddp_under_the_elastic_agent(tmp_path, ddp_referenc
     check_preempted_then_resumed(
         tmp_path, sig, ddp_reference_40, "parallel=ddp", "checkpoint=dcp_sync", *EXTRA
     )
+
+
+def test_signal_to_the_agents_process_alone_is_forwarded_to_the_workers(tmp_path, ddp_reference_40):
+    """`kill -USR1 <job pid>`: only the elastic agent's process gets it; it must not tear the
+    workers down, but pass the notice on, so they checkpoint and exit 0."""
+    overrides = ("parallel=ddp", "checkpoint=dcp_sync", *EXTRA)
+    check_preempted_then_resumed(tmp_path, signal.SIGUSR1, ddp_reference_40, *overrides, group=False)
 
 
 def test_process_group_signal_spares_the_async_checkpoint_daemon(tmp_path, smoke_reference):

@@ -46,8 +46,8 @@ def signals_blocked():
     """Block the preemption signals in this thread while it starts helpers (DataLoader workers,
     background threads): a fork inherits the mask, so a signal sent to the whole process group
     stays pending in the new worker until its worker_init_fn takes it (obey_parent_only; a worker
-    killed by it would fail the main process). Threads started meanwhile keep it blocked: the main thread's
-    handler acts, other threads of this process still take the signal for it."""
+    killed by it would fail the main process). Threads started meanwhile keep it blocked; the main
+    thread's handler still acts, as other threads of this process take the signal for it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
