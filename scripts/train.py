@@ -9,16 +9,21 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
+from goodput.signals import HELPER_ENV, obey_parent_only
 
-from goodput.checkpoint.manager import IncompatibleCheckpoint
-from goodput.config import ConfigError
-from goodput.launch import RendezvousUnreachable, launch
-from goodput.lock import RunLocked
-from goodput.train import AlreadyDone, prepare
+if __name__ == "__mp_main__" and os.environ.get(HELPER_ENV):  # a helper the loop spawned: first thing
+    obey_parent_only()
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
+from goodput.config import ConfigError  # noqa: E402
+from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
+from goodput.lock import RunLocked  # noqa: E402
+from goodput.train import AlreadyDone, prepare  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")

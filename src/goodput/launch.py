@@ -9,11 +9,18 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
+import signal
+import time
 import uuid
 
 from goodput.parallel import free_port
+from goodput.signals import PREEMPT_SIGNALS
 from goodput.train import worker
+
+log = logging.getLogger(__name__)
 
 
 class RendezvousUnreachable(RuntimeError):
@@ -25,9 +32,66 @@ def external_world() -> bool:
 
 
 def launch(c: dict) -> dict | None:
+    # Whatever handled the preemption signals before us (submitit: checkpoint + requeue + exit)
+    # gets the signal back once the loop has committed its checkpoint: requeueing stays its job.
+    previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
     par = c["parallel"]
     if external_world() or (par["nproc_per_node"] == 1 and par["max_restarts"] == 0):
-        return worker(c)
+        summary = worker(c)
+    else:
+        summary = _elastic(c)
+    _hand_back(summary, previous, c["trainer"]["max_steps"])
+    return summary
+
+
+def _hand_back(summary: dict | None, previous: dict, max_steps: int) -> None:
+    name = (summary or {}).get("preempted")
+    if name is None or summary["steps"] >= max_steps:  # finished anyway: nothing to requeue
+        return
+    handler = previous.get(getattr(signal, name or "", None))
+    if callable(handler) and handler is not signal.default_int_handler:  # that one would raise
+        log.info("checkpoint committed: passing %s on to the handler installed before the run", name)
+        handler(getattr(signal, name), None)
+
+
+class _LeaveStopToWorkers:
+    """While the elastic agent runs in this process: a preemption signal is the workers' to act on
+    (they finish the step, checkpoint and exit 0, and the agent sees success). The agent's own
+    handler would tear them down and exit non-zero, so it is kept off these signals (LaunchConfig
+    signals_to_handle). A signal this process alone received is forwarded to the workers (a copy
+    they also got from the process group counts once, see loop.StopSignal); another signal later
+    hands over to the agent's teardown, as its own handler would have done."""
+
+    def __init__(self, dup_s: float = 2.0):
+        self.dup_s, self._first = dup_s, None
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPT_SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        now, sig = time.monotonic(), signal.Signals(signum)
+        if self._first is not None:
+            if self._first[0] == signum and now - self._first[1] < self.dup_s:
+                return
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)  # agent: shut down
+        self._first = (signum, now)
+        log.warning("received %s: asking the workers to checkpoint and stop", sig.name)
+        for p in multiprocessing.active_children():  # the agent's workers (spawned by this process)
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def __exit__(self, *exc):
+        for sig, h in self._previous.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+
+
+def _elastic(c: dict) -> dict | None:
+    par = c["parallel"]
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -46,10 +110,12 @@ def launch(c: dict) -> dict | None:
         max_restarts=par["max_restarts"],
         monitor_interval=0.5,
         start_method="spawn",  # workers start clean: no inherited threads, locks or CUDA state
+        signals_to_handle="SIGHUP,SIGQUIT",  # TERM, INT, USR1, USR2: _LeaveStopToWorkers
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(c["run_dir"], "elastic")),
     )
     try:
-        results = elastic_launch(lc, worker)(c)
+        with _LeaveStopToWorkers():
+            results = elastic_launch(lc, worker)(c)
     except RendezvousError as e:
         raise RendezvousUnreachable(
             f"could not join the rendezvous at {endpoint} (parallel.rdzv_endpoint) within "

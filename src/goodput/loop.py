@@ -17,33 +17,48 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS, signals_blocked
+
 log = logging.getLogger(__name__)
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (a preemption notice): finish the step, checkpoint, wait for the upload, exit 0.
+    """SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (a preemption notice, however the scheduler sends it): finish
+    the step, checkpoint, wait for the upload, exit 0.
 
     The flag is acted on at the next step boundary, which all ranks must reach. If they do not
     within `grace_s` (a peer died and this rank is stuck in a collective: the elastic agent sends
     SIGTERM to the survivors in exactly that case), exit at once so the restart is not delayed.
+    A second signal exits at once too (a second Ctrl-C), except the same signal again within
+    `dup_s`: that is the same notice by two routes (sent to the process group, and forwarded by the
+    elastic agent's process, goodput.launch).
     """
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, dup_s: float = 2.0):
         self.received = None
-        self.grace_s = grace_s
+        self.grace_s, self.dup_s = grace_s, dup_s
+        self._first = None  # (signum, monotonic time)
         self._timer = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self._previous = {}
+        self._env = os.environ.get(HELPER_ENV)
+        os.environ[HELPER_ENV] = "1"
+        for sig in PREEMPT_SIGNALS:
             try:
-                signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave the default handlers
                 pass
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self._first is not None:
+            if signum == self._first[0] and now - self._first[1] < self.dup_s:
+                return
+            os._exit(128 + signum)
+        self._first = (signum, now)
         self.received = signal.Signals(signum).name
-        if self._timer is None:
-            self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
-            self._timer.daemon = True
-            self._timer.start()
+        self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+        self._timer.daemon = True
+        self._timer.start()
 
     def agreed(self, world: int) -> bool:
         t = torch.tensor([1 if self.received else 0])
@@ -54,11 +69,12 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except ValueError:
-                pass
+        """Put back the handlers found at start (SIG_DFL, or submitit's: see goodput.launch)."""
+        for sig, h in self._previous.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._env is None:
+            os.environ.pop(HELPER_ENV, None)
 
 
 @dataclass
@@ -244,7 +260,8 @@ def train(t) -> dict:
 
         stopping = stop.agreed(d.world)
         if t.ckpt.due(step) or step == max_steps or stopping:
-            blocking = t.ckpt.save(step, t.app)
+            with signals_blocked():  # the first async save may start DCP's daemon and threads
+                blocking = t.ckpt.save(step, t.app)
             t.ledger.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
         for m in t.ckpt.drain_metrics():

@@ -6,17 +6,22 @@ loop (and never inflates fetch_seconds); `close()` flushes. Only rank 0 tracks.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import queue
+import sqlite3
 import subprocess
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+
+from goodput.lock import _pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +96,71 @@ def source_tags(entry_point: str) -> dict[str, str]:
     return tags
 
 
+def _sqlite_path(uri: str) -> str | None:
+    prefix = "sqlite:///"
+    return uri[len(prefix) :] if uri.startswith(prefix) and ":memory:" not in uri else None
+
+
+def _sqlite_state(path: str) -> tuple[str | None, int | None]:
+    """(schema revision, number of runs) of a SQLite store, read without MLflow: an MLflow engine
+    opened on a half-made file stays cached for its path and would outlive moving it aside."""
+    out: list = [None, None]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        for i, q in enumerate(("SELECT version_num FROM alembic_version", "SELECT count(*) FROM runs")):
+            try:
+                row = con.execute(q).fetchone()
+                out[i] = row[0] if row else None
+            except sqlite3.Error:
+                pass
+    return out[0], out[1]
+
+
+def ensure_store(uri: str) -> None:
+    """A local SQLite store (the default) is made aside and linked into place, so a job killed
+    while MLflow creates and migrates its tables (seconds) never leaves a half-made store at the
+    real path. A half-made one found there (made before this existed, or by another tool: not at
+    MLflow's schema head and no runs) is moved aside with a warning: it never blocks training. A
+    store holding runs is left to MLflow (an older schema: `mlflow db upgrade`). Other stores:
+    MLflow's business."""
+    path = _sqlite_path(uri)
+    if path is None:
+        return
+    if os.path.exists(path):
+        from mlflow.store.db.utils import _get_latest_schema_revision
+
+        revision, runs = _sqlite_state(path)
+        if revision == _get_latest_schema_revision() or runs:
+            return
+        aside = f"{path}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path, aside)
+        log.warning(
+            "MLflow store %s is half-made (schema revision %s, no runs: a job was killed while "
+            "creating it); moved it to %s and starting a new one",
+            path,
+            revision,
+            aside,
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    for stale in glob.glob(f"{glob.escape(path)}.creating-*"):  # left by killed jobs (pid is dead)
+        pid = stale.split("-")[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            os.unlink(stale)
+    tmp = f"{path}.creating-{uuid.uuid4().hex[:8]}-{os.getpid()}"
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", os.path.join(os.path.dirname(path), "mlruns"))
+        store.engine.dispose()
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a store another job linked first
+        except FileExistsError:
+            pass
+    finally:
+        for leftover in (tmp, tmp + "-journal"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
 def start_run(
     uri: str,
     experiment: str,
@@ -101,6 +171,7 @@ def start_run(
     tags: dict[str, str] | None = None,
 ) -> str:
     """Create the job's run (or continue `run_id`). Called once, before any worker starts."""
+    ensure_store(uri)
     client = MlflowClient(uri)
     if run_id is not None:
         try:

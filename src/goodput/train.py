@@ -29,7 +29,7 @@ from goodput.checkpoint.resume import explicit_checkpoint, resume
 from goodput.config import validate
 from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
-from goodput.data.synthetic import make_dataset
+from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.fault import Faults
 from goodput.lock import RunLock
 from goodput.model import model_sha256
@@ -132,7 +132,11 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
 
 def ensure_data(c: dict) -> None:
     root = c["data"]["root"]
-    if c["data"]["root"] == c["paths"]["data_dir"] and not os.path.isdir(os.path.join(root, "train")):
+    if c["data"]["root"] == c["paths"]["data_dir"]:
+        if read_record(root) is not None:
+            return
+        if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
+            log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
         ds = c["dataset"]
         log.info("demo data not found: generating it at %s", root)
         t0 = time.time()

@@ -18,6 +18,7 @@ from goodput.data.config import DataConfig
 from goodput.data.dataset import FileList, ImageDataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
 from goodput.data.sources import SOURCES
+from goodput.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,27 @@ class DatasetChangedError(IncompatibleCheckpoint):
     pass
 
 
+def _ignore_preemption(worker_id: int) -> None:
+    # A preemption notice goes to the whole process group; a worker that died of it would fail the
+    # main process before it could checkpoint. Workers leave shutdown to the main process.
+    obey_parent_only()
+
+
+class QuietWorkersLoader(DataLoader):
+    """A DataLoader whose workers ignore preemption signals from their first instruction: the
+    signals are blocked while the iterator forks them (closing the window before worker_init_fn)."""
+
+    def __iter__(self):
+        with signals_blocked():
+            return super().__iter__()
+
+
 def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
     """DataLoader defaults for remote data: workers kept alive across epochs (re-forking them
     costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA."""
     kw: dict = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
-        kw.update(prefetch_factor=prefetch_factor, persistent_workers=True)
+        kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_ignore_preemption)
         if sys.platform == "linux":
             # Elastic workers are started with spawn, and a spawned process inherits spawn as its
             # default start method: each DataLoader worker would re-import torch (8 s of fetch after
@@ -102,7 +118,7 @@ class ResumableLoader:
         # A private generator: creating the iterator draws a base seed, and drawing it from the global
         # RNG would shift every later draw of a resumed run (dropout, for one) by one.
         g = torch.Generator().manual_seed(self.seed)
-        dl = DataLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
+        dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
         self._it = iter(dl)
         self._prefetched_until = self.step
         self._prefetch()
@@ -197,4 +213,4 @@ def eval_loader(
     bs = max(1, batch_size)
     batches = [idx[i : i + bs] for i in range(0, len(idx), bs)]
     kw = make_loader_kwargs(min(cfg.num_workers, 2), cfg.prefetch_factor, device)
-    return DataLoader(ds, batch_sampler=batches, generator=torch.Generator().manual_seed(0), **kw)
+    return QuietWorkersLoader(ds, batch_sampler=batches, generator=torch.Generator().manual_seed(0), **kw)

@@ -7,13 +7,21 @@ the seed: image i of split s comes from numpy's PCG64 seeded with (seed, s, i).
 
 from __future__ import annotations
 
+import glob
 import io
+import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from goodput.lock import _pid_alive
+
+# Written last, after train/ and val/ are in place: a dataset without it is partial (the generator
+# was killed) and is never trained on (goodput.train.ensure_data regenerates it).
+COMPLETE = "DATASET.json"
 SHAPES = ["disc", "square", "triangle", "cross", "hbars", "vbars", "ring", "diamond", "checker", "dots"]
 
 
@@ -70,15 +78,25 @@ def make_dataset(
     quality: int = 90,
     threads: int = 4,
 ) -> dict:
-    """Write `root/{train,val}/<class>/<i>.jpg`. Returns counts. Local paths only (it is a demo volume)."""
+    """Write `root/{train,val}/<class>/<i>.jpg` and then `root/DATASET.json`. Returns counts.
+    Local paths only (it is a demo volume).
+
+    Generated aside (`<root>.partial-<pid>`) and moved into place, so a kill at any moment leaves
+    either no dataset or a complete one; a relaunch starts over."""
     if not 1 <= num_classes <= len(SHAPES):
         raise ValueError(f"num_classes must be in [1, {len(SHAPES)}], got {num_classes}")
     if image_size < 8:
         raise ValueError(f"image_size must be >= 8, got {image_size}")
+    root = os.path.abspath(root)
+    for stale in glob.glob(f"{glob.escape(root)}.partial-*"):  # left by killed generators
+        if _dead(stale.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = f"{root}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     jobs = []
     for split_id, (split, n) in enumerate([("train", train_per_class), ("val", val_per_class)]):
         for c in range(num_classes):
-            os.makedirs(os.path.join(root, split, SHAPES[c]), exist_ok=True)
+            os.makedirs(os.path.join(tmp, split, SHAPES[c]), exist_ok=True)
             jobs += [(split_id, split, c, i) for i in range(n)]
 
     def write(job):
@@ -86,11 +104,47 @@ def make_dataset(
         rng = np.random.default_rng([seed, split_id, c, i])
         buf = io.BytesIO()
         _draw(SHAPES[c], image_size, rng).save(buf, format="JPEG", quality=quality)
-        path = os.path.join(root, split, SHAPES[c], f"{i:06d}.jpg")
-        with open(path + ".tmp", "wb") as f:
+        with open(os.path.join(tmp, split, SHAPES[c], f"{i:06d}.jpg"), "wb") as f:
             f.write(buf.getvalue())
-        os.replace(path + ".tmp", path)
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(write, jobs))
-    return {"train": num_classes * train_per_class, "val": num_classes * val_per_class, "root": root}
+    counts = {"train": num_classes * train_per_class, "val": num_classes * val_per_class}
+    record = {**counts, "num_classes": num_classes, "image_size": image_size, "seed": seed}
+    with open(os.path.join(tmp, COMPLETE), "w") as f:
+        json.dump(record, f)
+    _move_into_place(tmp, root, record)
+    return {**counts, "root": root}
+
+
+def read_record(root: str) -> dict | None:
+    """The completion record of a generated dataset, or None (absent: partial or not generated)."""
+    try:
+        with open(os.path.join(root, COMPLETE)) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _dead(pid: str) -> bool:
+    return not pid.isdigit() or not _pid_alive(int(pid))
+
+
+def _move_into_place(tmp: str, root: str, record: dict) -> None:
+    try:
+        os.rename(tmp, root)  # atomic: root did not exist, or was an empty folder
+        return
+    except OSError:
+        pass
+    if read_record(root) == record:  # a concurrent job finished the same dataset first: keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    # root holds other things (or an older dataset): replace train/ and val/, the record last
+    os.makedirs(root, exist_ok=True)
+    if os.path.exists(os.path.join(root, COMPLETE)):
+        os.remove(os.path.join(root, COMPLETE))
+    for split in ("train", "val"):
+        shutil.rmtree(os.path.join(root, split), ignore_errors=True)
+        os.rename(os.path.join(tmp, split), os.path.join(root, split))
+    os.rename(os.path.join(tmp, COMPLETE), os.path.join(root, COMPLETE))
+    os.rmdir(tmp)

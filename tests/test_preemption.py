@@ -1,0 +1,160 @@
+"""Preemption as schedulers send it: a signal to the whole process group (SLURM's scancel, timeout(1),
+a terminal's Ctrl-C) while DataLoader workers and prefetch threads run. The job finishes the step,
+commits a checkpoint and exits 0; the relaunch ends with the uninterrupted run's model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_train, train_cmd
+
+pytestmark = pytest.mark.slow
+
+# Workers and prefetch threads running, and enough steps that the signal lands mid-run.
+EXTRA = ("data.num_workers=2", "trainer.max_steps=40")
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(
+        int(p.parent.name.split("-")[1]) for p in (root / "checkpoints").glob("**/step-*/COMMIT.json")
+    )
+
+
+def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float = 240, group: bool = True):
+    """Start the real entry point in its own session, wait for the first committed checkpoint
+    (training is under way), send `sig` to the whole process group (or to the process started,
+    alone); returns (rc, output)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = root / "interrupted.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not committed_steps(root):
+            assert p.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint committed in time"
+            time.sleep(0.05)
+        (os.killpg if group else os.kill)(p.pid, sig)
+        try:
+            rc = p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return rc, log.read_text()
+
+
+def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *overrides: str, group=True):
+    rc, out = interrupt(root, sig, *overrides, group=group)
+    assert rc == 0, out[-6000:]
+    assert f"received {sig.name}: checkpointed step" in out, out[-6000:]
+    assert "killed by signal" not in out, out[-6000:]
+    stopped = committed_steps(root)[-1]
+    assert 0 < stopped < 40, f"stopped at {stopped}: the signal did not land mid-run"
+    summary = json.loads(sorted(root.glob("runs/**/summary.json"), key=os.path.getmtime)[-1].read_text())
+    assert summary["preempted"] == sig.name and summary["steps"] == stopped
+    _, s = run_train(root, *overrides)
+    assert s["resumed_from_steps"] == [stopped] and s["steps"] == 40
+    assert s["model_sha256"] == ref["model_sha256"]
+    assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: s.name
+)
+def test_process_group_signal_single(tmp_path, smoke_reference, sig):
+    ref = smoke_reference("dcp_sync", *EXTRA)
+    check_preempted_then_resumed(tmp_path, sig, ref, "checkpoint=dcp_sync", *EXTRA)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference_40(tmp_path_factory):
+    _, s = run_train(tmp_path_factory.mktemp("ddp-ref-40"), "parallel=ddp", "checkpoint=dcp_sync", *EXTRA)
+    return s
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
+def test_process_group_signal_ddp_under_the_elastic_agent(tmp_path, ddp_reference_40, sig):
+    check_preempted_then_resumed(
+        tmp_path, sig, ddp_reference_40, "parallel=ddp", "checkpoint=dcp_sync", *EXTRA
+    )
+
+
+def test_signal_to_the_agents_process_alone_is_forwarded_to_the_workers(tmp_path, ddp_reference_40):
+    """`kill -USR1 <job pid>`: only the elastic agent's process gets it; it must not tear the
+    workers down, but pass the notice on, so they checkpoint and exit 0."""
+    overrides = ("parallel=ddp", "checkpoint=dcp_sync", *EXTRA)
+    check_preempted_then_resumed(tmp_path, signal.SIGUSR1, ddp_reference_40, *overrides, group=False)
+
+
+def test_process_group_signal_spares_the_async_checkpoint_daemon(tmp_path, smoke_reference):
+    """checkpoint.async_type=process: DCP's spawned daemon is in the process group too; a daemon killed
+    by the signal would fail the final save ("Connection reset by peer"), one that ignored its
+    parent's SIGTERM would hang the exit (multiprocessing terminates daemonic children)."""
+    extra = ("checkpoint.async_type=process", *EXTRA)
+    ref = smoke_reference("dcp_async", *extra)
+    check_preempted_then_resumed(tmp_path, signal.SIGTERM, ref, "checkpoint=dcp_async", *extra)
+
+
+def _task_pid(folder: Path, deadline: float) -> int:
+    """The submitit task process (python -m submitit.core._submit <folder>) under `folder`."""
+    while time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"submitit.core._submit" in cmd and any(str(folder).encode() in c for c in cmd):
+                return int(d.name)
+        time.sleep(0.2)
+    raise AssertionError("no submitit task process found")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the task process through /proc")
+def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference):
+    """hydra/launcher=submitit_local: submitit installs its own USR2 handler (checkpoint, requeue,
+    exit) in the task process. The loop must take USR2, commit, and hand the signal back to
+    submitit, which requeues; the requeued task resumes to the uninterrupted run's model.
+    The signal is sent the way submitit's local controller sends it (to the task process) once
+    training is under way; timeout_min is long so the controller's own timer never fires."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    ref = smoke_reference("dcp_sync", *EXTRA)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = train_cmd(
+        tmp_path, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30",
+        "checkpoint=dcp_sync", *EXTRA,
+    )  # fmt: skip
+    with open(tmp_path / "hydra.log", "w") as out:
+        p = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 240
+            pid = _task_pid(tmp_path, deadline)
+            while not committed_steps(tmp_path):
+                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "hydra.log").read_text()
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGUSR2)
+            rc = p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = "".join(f.read_text() for f in sorted(tmp_path.glob("multirun/**/.submitit/**/*_log.*")))
+    assert rc == 0, (tmp_path / "hydra.log").read_text()[-3000:] + logs[-5000:]
+    assert "received SIGUSR2: checkpointed step" in logs, logs[-5000:]
+    assert "passing SIGUSR2 on to the handler installed before the run" in logs
+    assert "Requeued job" in logs  # submitit's own requeue, after our commit
+    summaries = [json.loads(f.read_text()) for f in tmp_path.glob("multirun/**/summary.json")]
+    final = [s for s in summaries if s["steps"] == 40]
+    assert len(final) == 1 and final[0]["resumed_from_steps"]
+    assert final[0]["model_sha256"] == ref["model_sha256"]
+    assert final[0]["sample_order_sha256"] == ref["sample_order_sha256"]

@@ -1,0 +1,144 @@
+"""Relaunching always works: whatever a first start creates (MLflow store, demo dataset) is made
+aside and moved into place, or repaired on relaunch; SIGKILLs at random moments never need a person."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, final_checkpoint_state, run_train, train_cmd
+
+from goodput.data.synthetic import COMPLETE, make_dataset, read_record
+from goodput.tracking import ensure_store, start_run
+
+
+def test_store_is_created_aside_then_linked(tmp_path):
+    db = tmp_path / "mlflow.db"
+    run_id = start_run(f"sqlite:///{db}", "exp", "r", {"a": "1"}, None, str(tmp_path / "art"))
+    assert run_id and db.exists()
+    assert [p.name for p in tmp_path.iterdir() if "creating" in p.name] == []
+
+
+def test_half_made_store_is_moved_aside_with_a_warning(tmp_path, caplog):
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:  # what a kill during MLflow's table creation leaves
+        con.execute("CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY, name TEXT)")
+        con.execute("CREATE TABLE spans (trace_id TEXT)")
+    with caplog.at_level(logging.WARNING):
+        run_id = start_run(f"sqlite:///{db}", "exp", "r", {}, None, str(tmp_path / "art"))
+    assert run_id
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.broken-")]
+    assert len(aside) == 1
+    assert f"MLflow store {db} is half-made" in caplog.text and str(aside[0]) in caplog.text
+
+
+def test_a_store_with_runs_is_never_moved_aside(tmp_path):
+    db = tmp_path / "mlflow.db"
+    start_run(f"sqlite:///{db}", "exp", "r", {}, None, str(tmp_path / "art"))
+    with sqlite3.connect(db) as con:  # a schema this MLflow does not know (a newer one, say)
+        con.execute("UPDATE alembic_version SET version_num = 'f0000000000f'")
+    ensure_store(f"sqlite:///{db}")  # left to MLflow, which asks for `mlflow db upgrade`
+    assert db.exists() and not [p for p in tmp_path.iterdir() if ".broken-" in p.name]
+
+
+def test_dataset_is_generated_aside(tmp_path):
+    root = tmp_path / "data"
+    os.makedirs(f"{root}.partial-999999999")  # a killed generator's leftovers (no such pid)
+    n = make_dataset(str(root), num_classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    assert n["train"] == 6 and read_record(str(root))["train"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    # into an existing folder holding other things: train/ and val/ replaced, the record last
+    other = tmp_path / "other"
+    (other / "train" / "stale").mkdir(parents=True)
+    (other / "keep.txt").write_text("x")
+    make_dataset(str(other), num_classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    assert (other / "keep.txt").exists() and not (other / "train" / "stale").exists()
+    assert (other / COMPLETE).exists() and len(list((other / "train").rglob("*.jpg"))) == 6
+
+
+# -- SIGKILL at random moments of a first start and of later runs -------------------------------
+# What an attempt logs as it goes, in order: the last one found says where a kill landed.
+STORE = "Creating initial MLflow database tables"
+MARKERS = [
+    ("demo data not found", "data generation"),
+    ("wrote ", "start-up"),
+    (STORE, "store creation"),
+    ("resumed from", "steps after a restore"),
+    ("committed", "steps and saves"),
+]
+
+
+def _phase(log: str) -> str:
+    found = [(log.rfind(m), label) for m, label in MARKERS if m in log]
+    return max(found)[1] if found else "start-up or restore"
+
+
+def _kill_at(root, anchor: str | None, delay: float, *overrides: str) -> tuple[int, str]:
+    """Start the entry point; `delay` s after `anchor` appears in its output (after the start if
+    None), SIGKILL its process group. Returns (exit status, output)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = root / "attempt.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while anchor is not None and anchor not in log.read_text() and p.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        try:
+            rc = p.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            rc = p.wait()
+    return rc, log.read_text()
+
+
+# Where kills are aimed: (anchor in the output, seconds after it), drawn at random per attempt.
+FIRST_START = [(None, (1.0, 8.0)), ("demo data not found", (0.0, 0.6)), (STORE, (0.0, 3.0))]
+LATER_RUN = [
+    (None, (1.0, 10.0)),
+    (STORE, (0.0, 3.0)),
+    ("resumed from", (0.0, 1.0)),
+    ("committed", (0.0, 1.5)),
+]
+
+
+@pytest.mark.slow
+def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tmp_path, smoke_reference):
+    """Each trial: a fresh root (no store, no data), SIGKILLs to the process group at seeded random
+    moments (start-up, data generation, store creation, restore, steps, saves) of the first start
+    and of the relaunches, then a relaunch to the end: every trial ends with the uninterrupted
+    run's model, and nobody had to delete anything."""
+    extra = ("trainer.max_steps=16", "dataset.train_per_class=150", "checkpoint.every_n_steps=2")
+    ref = smoke_reference("dcp_async", *extra)
+    rng = random.Random(7)
+    attempts = []
+    for trial in range(3):
+        root = tmp_path / f"t{trial}"
+        root.mkdir()
+        for k in range(3):
+            anchor, (lo, hi) = rng.choice(FIRST_START if k == 0 else LATER_RUN)
+            rc, log = _kill_at(root, anchor, rng.uniform(lo, hi), "checkpoint=dcp_async", *extra)
+            attempts.append((trial, rc, _phase(log) if rc else "finished"))
+            if rc == 0:
+                break
+        _, s = run_train(root, "checkpoint=dcp_async", *extra)
+        model_sha, order_sha = final_checkpoint_state(root / "checkpoints" / "smoke")
+        assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"]), (trial, attempts)
+        if s is not None:
+            assert s["model_sha256"] == ref["model_sha256"]
+        data = json.loads(next((root / "remote" / "data").glob(f"*/{COMPLETE}")).read_text())
+        assert data["train"] == 1500
+    print("attempts (trial, exit status, killed during):", attempts)
+    assert sum(rc == -signal.SIGKILL for _, rc, _ in attempts) >= 5
+    assert len({phase for *_, phase in attempts} - {"finished"}) >= 3  # kills landed in several phases
