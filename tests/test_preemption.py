@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -158,3 +159,31 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
     assert len(final) == 1 and final[0]["resumed_from_steps"]
     assert final[0]["model_sha256"] == ref["model_sha256"]
     assert final[0]["sample_order_sha256"] == ref["sample_order_sha256"]
+
+
+STOP_SCRIPT = """
+import os, signal, sys, time
+from goodput.loop import StopSignal
+stop = StopSignal(grace_s=float(sys.argv[1]))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+assert stop.received == "SIGTERM"
+os.kill(os.getpid(), signal.SIGTERM)  # the same notice again (group + forwarded): still running
+time.sleep(0.2)
+print("still running", flush=True)
+if sys.argv[2] == "second":
+    os.kill(os.getpid(), signal.SIGINT)  # a second, different signal: out at once
+time.sleep(5)  # the step boundary is never reached
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "grace, then, rc", [(30, "second", 128 + signal.SIGINT), (0.5, "wait", 128 + signal.SIGTERM)]
+)
+def test_a_second_signal_or_the_grace_period_exits_promptly(grace, then, rc):
+    p = subprocess.run(
+        [sys.executable, "-c", STOP_SCRIPT, str(grace), then], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == rc, p.stderr[-3000:]
+    assert "still running" in p.stdout and "not reached" not in p.stdout
