@@ -26,6 +26,7 @@ from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointM
 from goodput.checkpoint.manager import config_hash
 from goodput.config import validate
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
+from goodput.data.shards import ensure_packed
 from goodput.data.synthetic import make_dataset
 from goodput.fault import Faults
 from goodput.lock import RunLock
@@ -135,6 +136,11 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
 
 
 def ensure_data(c: dict) -> None:
+    _ensure_imagefolder(c)
+    ensure_packed(c["data"], storage_config(c))  # data=shards: pack once, before the ranks start
+
+
+def _ensure_imagefolder(c: dict) -> None:
     root = c["data"]["root"]
     if c["data"]["root"] == c["paths"]["data_dir"] and not os.path.isdir(os.path.join(root, "train")):
         ds = c["dataset"]
