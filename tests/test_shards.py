@@ -219,3 +219,31 @@ def test_ensure_packed_on_first_use_and_packed_url_root(folder, tmp_path, refere
 def test_unpacked_url_without_index_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="pack"):
         ShardFileList(Storage(str(tmp_path)), "train")
+
+
+def test_pack_script_packs_and_refuses_to_overwrite(folder, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("pack_shards", REPO / "scripts/pack_shards.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["pack_shards.py", "--src", folder, "--dst", str(tmp_path / "p")]
+    monkeypatch.setattr("sys.argv", [*argv, "--shard-mb", "0.004"])
+    script.main()
+    assert "train: 48 samples in" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 2 and "packed already" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one real entry-point run: demo data generated, packed on first use, trained
+def test_train_entry_point_with_data_shards(tmp_path):
+    from conftest import run_train
+
+    _, s = run_train(tmp_path, "data=shards", "data.shuffle_block=2")
+    assert s is not None and s["steps"] > 0
+    packed = list(tmp_path.rglob(INDEX))
+    assert len(packed) == 1 and packed[0].parent.name.endswith("-shards")
