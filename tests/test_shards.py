@@ -247,3 +247,37 @@ def test_train_entry_point_with_data_shards(tmp_path):
     assert s is not None and s["steps"] > 0
     packed = list(tmp_path.rglob(INDEX))
     assert len(packed) == 1 and packed[0].parent.name.endswith("-shards")
+
+
+def _fill_in_child(packed, cache_dir, shard, q):
+    files = ShardFileList(Storage(packed), "train")
+    t = time.monotonic()
+    ShardSource(Storage(packed), cache_dir, files=files)._fill(shard)
+    q.put(time.monotonic() - t)
+
+
+def test_a_fork_during_a_fill_does_not_inherit_the_shard_lock(packed, tmp_path):
+    """A DataLoader worker forked while a prefetch thread fills a shard must not keep that shard
+    locked after the fill (flock would: the child's copy of the descriptor holds it)."""
+    import threading
+
+    files = ShardFileList(Storage(packed), "train")
+    shard = files.shards[0]["name"]
+    slow = ShardSource(Storage(packed, StorageConfig(bandwidth_mb_s=0.02)), str(tmp_path), files=files)
+    ctx = mp.get_context("fork")
+    filler = threading.Thread(target=slow._fill, args=(shard,))
+    filler.start()
+    time.sleep(0.2)  # mid-fill, lock held
+    bystander = ctx.Process(target=time.sleep, args=(20,))  # forked now, lives on
+    bystander.start()
+    try:
+        filler.join()
+        q = ctx.Queue()
+        p = ctx.Process(target=_fill_in_child, args=(packed, str(tmp_path), shard, q))
+        p.start()
+        p.join(10)
+        assert p.exitcode == 0, "the fill lock stayed held by a forked bystander"
+        assert q.get(timeout=1) < 5
+    finally:
+        bystander.kill()
+        bystander.join()

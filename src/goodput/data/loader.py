@@ -46,10 +46,9 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
     """(source, file list) of one split for `cfg.backend`; shards read the packed dataset."""
     kw = dict(cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit)
     if cfg.backend == "shards":
-        from goodput.data.shards import ShardFileList, packed_root
+        from goodput.data.shards import open_packed
 
-        packed = Storage(packed_root(storage.root, storage.cfg), storage.cfg)
-        files = ShardFileList(packed, split)
+        packed, files = open_packed(storage, split)
         return SOURCES["shards"](packed, files=files, **kw), files
     return SOURCES[cfg.backend](storage, **kw), FileList(storage, split)
 

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -102,6 +103,16 @@ def pack(src: Storage, dst: Storage, shard_bytes: int = DEFAULT_SHARD_BYTES, thr
             index["splits"][split] = s
     dst.write_bytes(INDEX, json.dumps(index).encode())
     return index
+
+
+def open_packed(storage: Storage, split: str) -> tuple[Storage, ShardFileList]:
+    """The packed dataset for `data.root` = `storage`: the root itself, or `<root>-shards`. One GET
+    of index.json where it is, no existence check first."""
+    try:
+        return storage, ShardFileList(storage, split)
+    except FileNotFoundError:
+        packed = Storage(f"{storage.root}-shards", storage.cfg)
+        return packed, ShardFileList(packed, split)
 
 
 def packed_root(root: str, cfg: StorageConfig | None = None) -> str:
@@ -183,37 +194,81 @@ class ShardSource(CachedSource):
 
     Fills, the budget, eviction and prefetch are CachedSource's, with shards as the unit: a fill
     is temp + os.replace (never a partial shard), one cache dir per node shared by every rank and
-    worker, LRU eviction that spares the shards of the look-ahead window. A per-shard file lock
-    makes the processes of a node download each shard once.
+    worker, LRU eviction that spares the shards of the look-ahead window. A per-shard lock makes
+    the processes of a node download each shard once.
     """
+
+    OPEN_SHARDS = 16  # file descriptors kept per process: a sample read is one pread
 
     def __init__(self, storage: Storage, cache_dir: str, files: ShardFileList, **kw):
         super().__init__(storage, cache_dir, **kw)
         self.where = files.where
+        self._fds: dict[str, int] = {}
+        self._touched: dict[str, float] = {}
+        self._tlocks: dict[str, threading.Lock] = {}
+        self._lock_pid = os.getpid()
+
+    def __getstate__(self):
+        skip = ("_fds", "_touched", "_tlocks", "_lock_pid")
+        return {k: v for k, v in super().__getstate__().items() if k not in skip}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._fds, self._touched, self._tlocks, self._lock_pid = {}, {}, {}, os.getpid()
 
     def _fill(self, rel: str) -> tuple[bytes, int]:
+        # One download per shard per node: a POSIX record lock across processes (not inherited by
+        # fork, unlike flock: a DataLoader worker forked while a prefetch thread holds a lock must
+        # not keep holding it) and a thread lock per shard within this process.
+        if self._lock_pid != os.getpid():  # forked: locks held by the parent's threads stay there
+            self._tlocks, self._lock_pid = {}, os.getpid()
         os.makedirs(self.dir, exist_ok=True)
-        lock = os.path.join(self.dir, ".lock-" + rel.replace("/", "_") + ".lck")
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released on close, and by the kernel if we die
+        with self._tlocks.setdefault(rel, threading.Lock()):
+            fd = os.open(
+                os.path.join(self.dir, ".lock-" + rel.replace("/", "_") + ".lck"), os.O_RDWR | os.O_CREAT
+            )
             try:
-                with open(self.local_path(rel), "rb") as g:  # another process filled it meanwhile
-                    return g.read(), 0
-            except FileNotFoundError:
-                return super()._fill(rel)
+                fcntl.lockf(fd, fcntl.LOCK_EX)  # released by close, and by the kernel if we die
+                try:
+                    with open(self.local_path(rel), "rb") as g:  # another process filled it meanwhile
+                        return g.read(), 0
+                except FileNotFoundError:
+                    return super()._fill(rel)
+            finally:
+                os.close(fd)
+
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.pop(shard, None)
+        if fd is None:
+            fd = os.open(self.local_path(shard), os.O_RDONLY)  # FileNotFoundError: not cached
+            if len(self._fds) >= self.OPEN_SHARDS:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[shard] = fd  # most recently used last
+        return fd
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
+        # An open descriptor keeps reading the same bytes even if eviction unlinks the file (shards
+        # never change), and at most OPEN_SHARDS of them hold disk space after eviction.
         shard, off, n = self.where[rel]
-        path = self.local_path(shard)
         try:
-            with open(path, "rb") as f:
-                f.seek(off)
-                data = f.read(n)
-            os.utime(path)  # LRU clock for eviction
-            return data, True, 0
+            data = os.pread(self._fd(shard), n, off)
         except FileNotFoundError:
             raw, fetched = self._fill(shard)
             return raw[off : off + n], False, fetched
+        now = time.monotonic()
+        if now - self._touched.get(shard, 0.0) > 1.0:  # the LRU clock, once a second per shard
+            self._touched[shard] = now
+            try:
+                os.utime(self.local_path(shard))
+            except FileNotFoundError:
+                pass
+        return data, True, 0
+
+    def close(self) -> None:
+        super().close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def prefetch(self, rels: list[str], protect: set[str]) -> None:
         shards = list(dict.fromkeys(self.where[r][0] for r in rels))  # first-needed first
