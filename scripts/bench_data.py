@@ -417,6 +417,11 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                 ]
             if a.s3_rows:
                 plan = [(k, m) for k, m in plan if any(w in k for w in a.s3_rows.split(","))]
+            if rep % 2:  # alternate the order of backends (cold before warm within each) against drift
+                groups: dict[str, list] = {}
+                for kind, make in plan:
+                    groups.setdefault(kind.rsplit(" ", 1)[0].removesuffix(" cold"), []).append((kind, make))
+                plan = [x for g in reversed(groups.values()) for x in g]
             for kind, make in plan:
                 log(f"S3 repeat {rep + 1}/{a.repeats}: {kind} ...")
                 samples[kind].append(measure(a, make, steps, ep))
