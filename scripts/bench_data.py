@@ -23,27 +23,42 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from goodput.bench import (
+    S3Endpoint,
     bar_chart,
     log,
     machine_info,
     machine_line,
     markdown_table,
     median,
+    process_cpu_s,
     ratio,
     target,
     target_line,
     write_json,
 )
-from goodput.data.loader import DataConfig, ResumableLoader
+from goodput.data.config import DataConfig
+from goodput.data.loader import ResumableLoader
 from goodput.data.synthetic import make_dataset
 from goodput.storage import Storage, StorageConfig
 
-ROWS = ["remote", "cached cold", "cached warm", "floor"]
+EMU_ROWS = ["emulated remote", "emulated cached cold", "emulated cached warm", "floor"]
+S3_ROWS = [
+    "s3 remote",
+    "s3 cached cold (old client)",
+    "s3 cached cold",
+    "s3 cached warm",
+    "s3 shards cold",
+    "s3 shards warm",
+    "mosaic cold",
+    "mosaic warm",
+]
+BUCKET = "goodput-bench"
 
 
 class MemorySource:
@@ -65,6 +80,22 @@ class MemorySource:
         pass
 
 
+class OldClientStorage(Storage):
+    """The per-file read path before the request diet, for the before/after ratio: s3fs only, its
+    default cat_file (a HEAD for the size, then the GET), exists() before each listing."""
+
+    @property
+    def read_fs(self):
+        return self.fs
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._retry(f"read {self.url(rel)}", self.fs.cat_file, self._path(rel))
+
+    def find(self, rel: str = "") -> dict[str, int]:
+        self.fs.exists(self._path(rel))
+        return super().find(rel)
+
+
 def dataset(a) -> str:
     """Generate once per size under --data-root; a marker written last says it is complete."""
     root = os.path.join(a.data_root, f"{a.classes}x{a.per_class}-{a.image_size}px")
@@ -81,9 +112,47 @@ def dataset(a) -> str:
     return root
 
 
-def run(a, storage: Storage, kind: str, cache_dir: str, prefetch_steps: int, threads: int, steps: int):
+def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
+    """One row: build the loader (listing, index), then `steps` steps of next() + synthetic compute.
+    images/s counts the steps only; CPU and requests count everything from construction to close."""
+    exclude = [ep.proc.pid] if ep else []
+    if ep:
+        ep.reset()
+    cpu0, t_build = process_cpu_s(exclude), time.perf_counter()
+    it, close, hit_rate = make()
+    build_s = time.perf_counter() - t_build
+    fetch = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        next(it)
+        fetch.append(time.perf_counter() - t)
+        time.sleep(a.compute_ms / 1000)  # the accelerator's share of the step
+    total = time.perf_counter() - t0
+    hits = hit_rate()
+    close()
+    images = steps * a.batch
+    r = {
+        "images_per_s": images / total,
+        "fetch_s_per_step": sum(fetch) / steps,
+        "first_batch_s": fetch[0],
+        "wait_share": sum(fetch) / total,
+        "seconds": total,
+        "build_s": build_s,
+        "hit_rate": hits,
+        "cpu_ms_per_image": 1000 * (process_cpu_s(exclude) - cpu0) / images,
+    }
+    if ep:
+        counts = ep.counts()
+        r["requests"] = sum(counts.values())
+        r["requests_by_method"] = counts
+    return r
+
+
+def ours(a, storage: Storage, backend: str, cache_dir: str, prefetch_steps: int, threads: int, steps: int,
+         floor: bool = False):  # fmt: skip
     cfg = DataConfig(
-        backend="cached" if kind.startswith("cached") else "remote",
+        backend=backend,
         root=storage.root,
         cache_dir=cache_dir,
         image_size=a.image_size,
@@ -93,154 +162,201 @@ def run(a, storage: Storage, kind: str, cache_dir: str, prefetch_steps: int, thr
         prefetch_threads=threads,
         cache_limit=None,
         on_bad_sample="error",
+        shuffle_block=a.shuffle_block,
     )
-    loader = ResumableLoader(cfg, storage, a.seed, a.batch, steps, 0, 1, torch.device("cpu"))
-    if kind == "floor":  # the same files, read into memory before the clock starts
-        order, files = loader.order, loader.files.files
-        rels = {files[i] for s in range(steps) for i in order.rank_batch(s, 0, 1)}
-        plain = Storage(storage.root)  # no emulation: this is not part of the measurement
-        mem = MemorySource(storage, {r: plain.read_bytes(r) for r in rels})
-        loader.source = loader.dataset.source = mem  # before the first next(): workers fork after it
-    fetch = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        next(loader)
-        fetch.append(time.perf_counter() - t)
-        time.sleep(a.compute_ms / 1000)  # the accelerator's share of the step
-    total = time.perf_counter() - t0
-    stats = loader.stats()
-    loader.close()
-    images = steps * a.batch
+
+    def make():
+        loader = ResumableLoader(cfg, storage, a.seed, a.batch, steps, 0, 1, torch.device("cpu"))
+        if floor:  # the same files, read into memory before the clock starts
+            order, files = loader.order, loader.files.files
+            rels = {files[i] for s in range(steps) for i in order.rank_batch(s, 0, 1)}
+            plain = Storage(storage.root)  # no emulation: this is not part of the measurement
+            mem = MemorySource(storage, {r: plain.read_bytes(r) for r in rels})
+            loader.source = loader.dataset.source = mem  # before the first next(): workers fork after it
+        return loader, loader.close, lambda: loader.stats()["data/cache_hits"] / (steps * a.batch)
+
+    return make
+
+
+def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
+    """MosaicML Streaming over MDS shards of the same JPEGs: same decode, transform, per-sample
+    seeds, workers, batch and prefetch_factor; its own defaults otherwise (py1e, predownload)."""
+    from streaming import StreamingDataLoader, StreamingDataset
+    from torchvision.io import ImageReadMode, decode_image
+
+    from goodput.data.dataset import train_transform
+    from goodput.data.sampler import sample_seed
+
+    class Images(StreamingDataset):
+        def get_item(self, idx):
+            s = super().get_item(idx)
+            img = decode_image(
+                torch.frombuffer(bytearray(s["image"]), dtype=torch.uint8), mode=ImageReadMode.RGB
+            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed(a.seed, 0, idx))
+                x = self.tf(img)
+            return {"image": x, "label": s["label"]}
+
+    def make():
+        ds = Images(
+            remote=remote,
+            local=local,
+            batch_size=a.batch,
+            shuffle=True,
+            shuffle_seed=a.seed,
+            shuffle_block_size=max(1, a.shuffle_block) * samples_per_shard,
+        )
+        ds.tf = train_transform(a.image_size)
+        kw = {"prefetch_factor": a.prefetch_factor, "persistent_workers": True} if a.num_workers else {}
+        dl = StreamingDataLoader(ds, batch_size=a.batch, num_workers=a.num_workers, **kw)
+        it = iter(dl)
+
+        def close():
+            nonlocal it
+            del it
+            from streaming.base.util import clean_stale_shared_memory
+
+            clean_stale_shared_memory()
+
+        return it, close, lambda: float("nan")
+
+    return make
+
+
+def stage_s3(a, root: str, ep: S3Endpoint, work: str) -> dict:
+    """Upload the ImageFolder, our shards and Mosaic's MDS shards of it to the endpoint (untimed)."""
+    import s3fs
+    from streaming import MDSWriter
+
+    from goodput.data.dataset import FileList
+    from goodput.data.shards import pack
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
+    src = Storage(root)
+    folder = Storage(f"s3://{BUCKET}/folder")
+    rels = [r for r in src.find("") if r.startswith(("train/", "val/"))]
+    log(f"uploading {len(rels)} files to {folder.root} ...")
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda r: folder.write_bytes(r, src.read_bytes(r)), rels))
+    shard_bytes = int(a.shard_mb * 2**20)
+    log("packing our shards from the local copy ...")
+    idx = pack(src, Storage(f"s3://{BUCKET}/shards"), shard_bytes)
+    train = idx["splits"]["train"]
+    log("writing MDS shards (MosaicML Streaming) ...")
+    mds = os.path.join(work, "mds")
+    files = FileList(src, "train")
+    with MDSWriter(out=mds, columns={"image": "bytes", "label": "int"}, size_limit=shard_bytes) as w:
+        for rel, label in zip(files.files, files.labels):
+            w.write({"image": src.read_bytes(rel), "label": label})
+    fs.put(mds, f"{BUCKET}/mds", recursive=True)
     return {
-        "images_per_s": images / total,
-        "fetch_s_per_step": sum(fetch) / steps,
-        "wait_share": sum(fetch) / total,
-        "seconds": total,
-        "hit_rate": stats["data/cache_hits"] / images,
+        "folder": folder.root,
+        "shards": f"s3://{BUCKET}/shards",
+        "mds": f"s3://{BUCKET}/mds",
+        "shards_per_epoch": len(train["shards"]),
+        "mds_shards": len([n for n in os.listdir(mds) if n.endswith(".mds")]),
+        "samples_per_shard": max(1, len(train["files"]) // len(train["shards"])),
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-root", default="outputs/bench/data", help="generated once, reused")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--per-class", type=int, default=2000, help="training JPEGs per class")
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--latency-ms", type=float, default=10.0, help="emulated remote latency per file op")
-    p.add_argument("--bandwidth-mb-s", type=float, default=100.0, help="emulated per-stream bandwidth")
-    p.add_argument("--batch", type=int, default=256)
-    # 30 steps x 256 images = 7680 images, under half an epoch: the remote row alone reads at ~170
-    # images/s here, so 3 repeats of it take about 2 minutes; a whole epoch would take 6 per repeat.
-    p.add_argument("--steps", type=int, default=30, help="steps per row")
-    p.add_argument("--compute-ms", type=float, default=50.0, help="synthetic compute per step")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers, the same for every row")
-    p.add_argument("--prefetch-factor", type=int, default=4)
-    p.add_argument("--prefetch-steps", type=int, default=8, help="cached rows (conf/data default)")
-    p.add_argument("--prefetch-threads", type=int, default=16, help="cached rows (conf/data default)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the four rows (median)")
-    p.add_argument("--sweep-prefetch-steps", default="1,4,16", help="comma list; empty = no sweep")
-    p.add_argument("--sweep-threads", default="4,16,32", help="comma list")
-    p.add_argument("--sweep-steps", type=int, default=20, help="steps per sweep cell")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="outputs/bench", help="JSON, PNG and scratch space go here")
-    a = p.parse_args()
-    if a.classes * a.per_class < a.batch * max(a.steps, a.sweep_steps):
-        p.error("the dataset must hold --steps and --sweep-steps batches (rows run within one epoch)")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
-    log(f"machine: {machine_line(machine)}")
-    root = dataset(a)
-    storage = Storage(root, StorageConfig(a.latency_ms, a.bandwidth_mb_s))
-    work = tempfile.mkdtemp(prefix="data-", dir=out)
-
-    samples: dict[str, list[dict]] = {k: [] for k in ROWS}
-    sweep = []
-    try:
-        for rep in range(a.repeats):
-            cache = os.path.join(work, f"cache-{rep}")  # empty: cold; the warm row reuses it
-            for kind in ROWS:
-                log(f"repeat {rep + 1}/{a.repeats}: {kind} ...")
-                r = run(a, storage, kind, cache, a.prefetch_steps, a.prefetch_threads, a.steps)
-                samples[kind].append(r)
-            shutil.rmtree(cache, ignore_errors=True)
-        ps_list = [int(v) for v in a.sweep_prefetch_steps.split(",") if v.strip()]
-        th_list = [int(v) for v in a.sweep_threads.split(",") if v.strip()]
-        for ps in ps_list:
-            for th in th_list:
-                log(f"sweep: cached cold, prefetch_steps={ps} prefetch_threads={th} ...")
-                cache = os.path.join(work, f"sweep-{ps}-{th}")
-                r = run(a, storage, "cached cold", cache, ps, th, a.sweep_steps)
-                sweep.append({"prefetch_steps": ps, "prefetch_threads": th, **r})
-                shutil.rmtree(cache, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
+def summarize(samples: dict[str, list[dict]], order: list[str]) -> list[dict]:
     rows = []
-    for kind in ROWS:
-        s = samples[kind]
-        rows.append(
-            {
-                "row": kind,
-                **{k: median([x[k] for x in s]) for k in s[0]},
-                "images_per_s_samples": [x["images_per_s"] for x in s],
-            }
-        )
+    for kind in order:
+        got = samples.get(kind)
+        if not got:
+            continue
+        row = {"row": kind, "images_per_s_samples": [x["images_per_s"] for x in got]}
+        for k, v in got[0].items():
+            if isinstance(v, int | float):
+                row[k] = median([x[k] for x in got])
+        if "requests_by_method" in got[-1]:
+            row["requests_by_method"] = got[-1]["requests_by_method"]
+        rows.append(row)
+    return rows
+
+
+def emulated_section(a, root: str, work: str) -> tuple[list[dict], list[dict], list[dict], str]:
+    storage = Storage(root, StorageConfig(a.latency_ms, a.bandwidth_mb_s))
+    samples: dict[str, list[dict]] = {k: [] for k in EMU_ROWS}
+    for rep in range(a.repeats):
+        cache = os.path.join(work, f"cache-{rep}")  # empty: cold; the warm row reuses it
+        for kind in EMU_ROWS:
+            log(f"repeat {rep + 1}/{a.repeats}: {kind} ...")
+            backend = "remote" if kind in ("emulated remote", "floor") else "cached"
+            make = ours(
+                a, storage, backend, cache, a.prefetch_steps, a.prefetch_threads, a.steps, kind == "floor"
+            )
+            samples[kind].append(measure(a, make, a.steps, None))
+        shutil.rmtree(cache, ignore_errors=True)
+    sweep = []
+    ps_list = [int(v) for v in a.sweep_prefetch_steps.split(",") if v.strip()]
+    th_list = [int(v) for v in a.sweep_threads.split(",") if v.strip()]
+    for ps in ps_list:
+        for th in th_list:
+            log(f"sweep: emulated cached cold, prefetch_steps={ps} prefetch_threads={th} ...")
+            cache = os.path.join(work, f"sweep-{ps}-{th}")
+            r = measure(a, ours(a, storage, "cached", cache, ps, th, a.sweep_steps), a.sweep_steps, None)
+            sweep.append({"prefetch_steps": ps, "prefetch_threads": th, **r})
+            shutil.rmtree(cache, ignore_errors=True)
+    rows = summarize(samples, EMU_ROWS)
     by = {r["row"]: r for r in rows}
     for r in rows:
         r["vs_floor"] = ratio(r["images_per_s"], by["floor"]["images_per_s"])
-        r["vs_remote"] = ratio(r["images_per_s"], by["remote"]["images_per_s"])
-
-    warm, cold, floor, remote = by["cached warm"], by["cached cold"], by["floor"], by["remote"]
+        r["vs_remote"] = ratio(r["images_per_s"], by["emulated remote"]["images_per_s"])
+    warm, cold, floor, remote = (
+        by[k] for k in ("emulated cached warm", "emulated cached cold", "floor", "emulated remote")
+    )
     targets = [
         target(
-            "cached warm >= 90% of the floor's images/s",
+            "emulated: cached warm >= 90% of the floor's images/s",
             warm["vs_floor"],
             0.9,
             warm["vs_floor"] >= 0.9,
-            f"{warm['images_per_s']:.0f} vs {floor['images_per_s']:.0f} img/s = "
-            f"{100 * warm['vs_floor']:.0f}%",
+            f"{warm['images_per_s']:.0f} vs {floor['images_per_s']:.0f} img/s "
+            f"= {100 * warm['vs_floor']:.0f}%",
         ),
         target(
-            "cached cold (prefetch on) >= 3x remote images/s",
+            "emulated: cached cold (prefetch on) >= 3x remote images/s",
             cold["vs_remote"],
             3.0,
             cold["vs_remote"] >= 3.0,
             f"{cold['images_per_s']:.0f} vs {remote['images_per_s']:.0f} img/s = {cold['vs_remote']:.1f}x",
         ),
     ]
-
-    head = (
-        f"Data benchmark: {a.classes * a.per_class} JPEGs ({a.classes} classes, {a.image_size}px) on a "
-        f"remote emulated at {a.latency_ms:g} ms per file op, {a.bandwidth_mb_s:g} MB/s per stream; "
-        f"batch {a.batch}, {a.steps} steps per row (not a whole epoch: remote reads would take minutes), "
-        f"{a.num_workers} workers, prefetch_factor {a.prefetch_factor}, {a.compute_ms:g} ms synthetic "
-        f"compute per step; cached rows use prefetch_steps={a.prefetch_steps}, "
-        f"prefetch_threads={a.prefetch_threads}.\n"
-        f"Machine: {machine_line(machine)}.\n"
-        f"Medians of {a.repeats} interleaved repeats; each row's time includes starting its DataLoader "
-        f"workers."
-    )
-    table = markdown_table(
-        ["row", "images/s", "fetch s / step", "waiting share", "vs floor", "vs remote", "cache hit rate"],
-        [
+    text = (
+        f"Emulated remote (time.sleep for {a.latency_ms:g} ms per file op and {a.bandwidth_mb_s:g} MB/s per "
+        f"stream: costs no client CPU, so it flatters per-file reads; see the S3 rows), {a.steps} steps "
+        f"per row:\n\n"
+        + markdown_table(
             [
-                r["row"],
-                r["images_per_s"],
-                r["fetch_s_per_step"],
-                f"{100 * r['wait_share']:.0f}%",
-                r["vs_floor"],
-                r["vs_remote"],
-                f"{100 * r['hit_rate']:.0f}%" if r["row"].startswith("cached") else "-",
-            ]
-            for r in rows
-        ],
+                "row",
+                "images/s",
+                "fetch s / step",
+                "waiting share",
+                "CPU ms / image",
+                "vs floor",
+                "vs remote",
+                "cache hit rate",
+            ],
+            [
+                [
+                    r["row"],
+                    r["images_per_s"],
+                    r["fetch_s_per_step"],
+                    f"{100 * r['wait_share']:.0f}%",
+                    r["cpu_ms_per_image"],
+                    r["vs_floor"],
+                    r["vs_remote"],
+                    f"{100 * r['hit_rate']:.0f}%" if "cached" in r["row"] else "-",
+                ]
+                for r in rows
+            ],
+        )  # fmt: skip
     )
-    print(head + "\n\n" + table + "\n")
     if sweep:
-        n = a.sweep_steps
-        print(f"Cached cold sweep ({n} steps per cell, one run each; images/s, fetch s per step):\n")
         th_list = sorted({c["prefetch_threads"] for c in sweep})
         grid = []
         for ps in sorted({c["prefetch_steps"] for c in sweep}):
@@ -254,23 +370,224 @@ def main() -> int:
                     for t in th_list
                 ]
             )
-        print(markdown_table(["", *(f"threads={t}" for t in th_list)], grid) + "\n")
+        text += (
+            f"\n\nEmulated cached cold sweep ({a.sweep_steps} steps per cell, one run each; images/s, "
+            f"fetch s per step):\n\n" + markdown_table(["", *(f"threads={t}" for t in th_list)], grid)
+        )
+    return rows, sweep, targets, text
+
+
+def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, dict]:
+    try:
+        import streaming  # noqa: F401
+
+        have_mosaic = True
+    except ImportError:
+        have_mosaic = False
+        log("mosaicml-streaming is not installed (pip install -e '.[bench]'): no Mosaic rows")
+    ep = S3Endpoint(a.s3_latency_ms, a.s3_bandwidth_mb_s)
+    try:
+        ep.use_for_fsspec()
+        staged = stage_s3(a, root, ep, work) if have_mosaic else stage_s3_ours(a, root)
+        steps = a.s3_steps or (a.classes * a.per_class) // a.batch
+        folder, shards = staged["folder"], staged["shards"]
+        samples: dict[str, list[dict]] = {k: [] for k in S3_ROWS}
+        for rep in range(a.repeats):
+            d = os.path.join(work, f"s3-{rep}")
+            ps, th, sth, old = a.prefetch_steps, a.prefetch_threads, a.shard_threads, OldClientStorage(folder)
+            plan = [
+                ("s3 remote", ours(a, Storage(folder), "remote", f"{d}/none", 0, 1, steps)),
+                (
+                    "s3 cached cold (old client)",
+                    ours(a, old, "cached", f"{d}/o", ps, th, steps),
+                ),
+                ("s3 cached cold", ours(a, Storage(folder), "cached", f"{d}/c", ps, th, steps)),
+                ("s3 cached warm", ours(a, Storage(folder), "cached", f"{d}/c", ps, th, steps)),
+                ("s3 shards cold", ours(a, Storage(shards), "shards", f"{d}/s", ps, sth, steps)),
+                ("s3 shards warm", ours(a, Storage(shards), "shards", f"{d}/s", ps, sth, steps)),
+            ]
+            if have_mosaic:
+                plan += [
+                    (k, mosaic(a, staged["mds"], f"{d}/mosaic", steps, staged["samples_per_shard"]))
+                    for k in ("mosaic cold", "mosaic warm")
+                ]
+            if a.s3_rows:
+                plan = [(k, m) for k, m in plan if any(w in k for w in a.s3_rows.split(","))]
+            if rep % 2:  # alternate the order of backends (cold before warm within each) against drift
+                groups: dict[str, list] = {}
+                for kind, make in plan:
+                    groups.setdefault(kind.rsplit(" ", 1)[0].removesuffix(" cold"), []).append((kind, make))
+                plan = [x for g in reversed(groups.values()) for x in g]
+            for kind, make in plan:
+                log(f"S3 repeat {rep + 1}/{a.repeats}: {kind} ...")
+                samples[kind].append(measure(a, make, steps, ep))
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        ep.close()
+    rows = summarize(samples, S3_ROWS)
+    by = {r["row"]: r for r in rows}
+    images = steps * a.batch
+    for r in rows:
+        r["requests_per_1k_images"] = 1000 * r["requests"] / images
+        ref = by.get("mosaic cold" if "cold" in r["row"] else "mosaic warm")
+        r["vs_mosaic"] = ratio(r["images_per_s"], ref["images_per_s"]) if ref else float("nan")
+    targets = []
+
+    def versus(name, a_row, b_row, limit):
+        if a_row in by and b_row in by:
+            x = ratio(by[a_row]["images_per_s"], by[b_row]["images_per_s"])
+            detail = f"{by[a_row]['images_per_s']:.0f} vs {by[b_row]['images_per_s']:.0f} img/s = {x:.2f}x"
+            targets.append(target(name, x, limit, x >= limit, detail))
+
+    versus(
+        "S3: cached cold >= 1.5x the old per-file client",
+        "s3 cached cold",
+        "s3 cached cold (old client)",
+        1.5,
+    )
+    versus("S3: shards cold >= 0.8x MosaicML Streaming cold", "s3 shards cold", "mosaic cold", 0.8)
+    versus("S3: shards warm >= 1.0x MosaicML Streaming warm", "s3 shards warm", "mosaic warm", 1.0)
+    text = (
+        f"Through a real S3 API (moto's server on loopback behind a proxy adding {a.s3_latency_ms:g} ms per "
+        f"request and {a.s3_bandwidth_mb_s:g} MB/s per connection), {steps} steps per row (one epoch of "
+        f"{images} images); shards: {staged['shards_per_epoch']} per epoch ({a.shard_mb:g} MB target, "
+        f"shuffle_block={a.shuffle_block}), MDS shards: {staged.get('mds_shards', '-')} at the same size "
+        f"limit. "
+        f"Requests are counted at the proxy, from building the loader (listing, index) to closing it; "
+        f"CPU is this process and its DataLoader workers over the same span:\n\n"
+        + markdown_table(
+            [
+                "row",
+                "images/s",
+                "fetch s / step",
+                "first batch s",
+                "requests",
+                "requests / 1k images",
+                "client CPU ms / image",
+                "vs Mosaic",
+            ],
+            [
+                [
+                    r["row"],
+                    r["images_per_s"],
+                    r["fetch_s_per_step"],
+                    r["first_batch_s"],
+                    int(r["requests"]),
+                    r["requests_per_1k_images"],
+                    r["cpu_ms_per_image"],
+                    r["vs_mosaic"],
+                ]
+                for r in rows
+            ],
+        )  # fmt: skip
+    )
+    return rows, targets, text, staged
+
+
+def stage_s3_ours(a, root: str) -> dict:
+    """Without mosaicml-streaming: the ImageFolder and our shards only."""
+    import s3fs
+
+    from goodput.data.shards import pack
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
+    src, folder = Storage(root), Storage(f"s3://{BUCKET}/folder")
+    rels = [r for r in src.find("") if r.startswith(("train/", "val/"))]
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda r: folder.write_bytes(r, src.read_bytes(r)), rels))
+    idx = pack(src, Storage(f"s3://{BUCKET}/shards"), int(a.shard_mb * 2**20))
+    train = idx["splits"]["train"]
+    return {
+        "folder": folder.root,
+        "shards": f"s3://{BUCKET}/shards",
+        "shards_per_epoch": len(train["shards"]),
+        "samples_per_shard": max(1, len(train["files"]) // len(train["shards"])),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-root", default="outputs/bench/data", help="generated once, reused")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=1000, help="training JPEGs per class")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--latency-ms", type=float, default=10.0, help="emulated remote latency per file op")
+    p.add_argument("--bandwidth-mb-s", type=float, default=100.0, help="emulated per-stream bandwidth")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30, help="steps per emulated row")
+    p.add_argument("--compute-ms", type=float, default=50.0, help="synthetic compute per step")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers, the same for every row")
+    p.add_argument("--prefetch-factor", type=int, default=4)
+    p.add_argument("--prefetch-steps", type=int, default=8, help="cached/shards rows (conf/data default)")
+    p.add_argument("--prefetch-threads", type=int, default=16, help="cached rows (conf/data default)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the rows (median)")
+    p.add_argument("--sweep-prefetch-steps", default="1,4,16", help="comma list; empty = no sweep")
+    p.add_argument("--sweep-threads", default="4,16,32", help="comma list")
+    p.add_argument("--sweep-steps", type=int, default=20, help="steps per sweep cell")
+    p.add_argument("--emulated", action=argparse.BooleanOptionalAction, default=True, help="emulated rows")
+    p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="rows through moto's S3")
+    p.add_argument("--s3-latency-ms", type=float, default=10.0, help="added per request by the proxy")
+    p.add_argument("--s3-bandwidth-mb-s", type=float, default=100.0, help="per connection, at the proxy")
+    p.add_argument("--s3-steps", type=int, default=0, help="steps per S3 row; 0 = one epoch")
+    p.add_argument("--s3-rows", default="", help="comma list of substrings: run only matching S3 rows")
+    p.add_argument("--shard-mb", type=float, default=4.0, help="shard size, ours and MDS alike")
+    p.add_argument("--shuffle-block", type=int, default=4, help="data.shuffle_block for the shards rows")
+    p.add_argument("--shard-threads", type=int, default=4, help="prefetch threads of the shards rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="outputs/bench", help="JSON, PNG and scratch space go here")
+    a = p.parse_args()
+    if a.emulated and a.classes * a.per_class < a.batch * max(a.steps, a.sweep_steps):
+        p.error("the dataset must hold --steps and --sweep-steps batches (rows run within one epoch)")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    log(f"machine: {machine_line(machine)}")
+    root = dataset(a)
+    work = tempfile.mkdtemp(prefix="data-", dir=out)
+    rows, sweep, targets, texts, s3_rows, staged = [], [], [], [], [], {}
+    try:
+        if a.emulated:
+            rows, sweep, t, text = emulated_section(a, root, work)
+            targets += t
+            texts.append(text)
+        if a.s3:
+            s3_rows, t, text, staged = s3_section(a, root, work)
+            targets += t
+            texts.append(text)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    head = (
+        f"Data benchmark: {a.classes * a.per_class} JPEGs ({a.classes} classes, {a.image_size}px); batch "
+        f"{a.batch}, {a.num_workers} workers, prefetch_factor {a.prefetch_factor}, {a.compute_ms:g} ms "
+        f"synthetic compute per step; cached rows use prefetch_steps={a.prefetch_steps}, prefetch_threads="
+        f"{a.prefetch_threads}.\nMachine: {machine_line(machine)}.\n"
+        f"Medians of {a.repeats} interleaved repeats; images/s counts the steps, not building the loader."
+    )
+    print(head + "\n\n" + "\n\n".join(texts) + "\n")
     print("\n".join(target_line(t) for t in targets))
 
     write_json(
         out / "bench_data.json",
-        {"machine": machine, "args": vars(a), "rows": rows, "sweep": sweep, "targets": targets},
-    )
-    panels = [("images/s", [r["row"] for r in rows], [r["images_per_s"] for r in rows])]
-    if sweep:
+        {"machine": machine, "args": vars(a), "rows": rows, "sweep": sweep, "s3_rows": s3_rows,
+         "s3_staged": staged, "targets": targets},
+    )  # fmt: skip
+    panels = []
+    if rows:
+        panels.append(("emulated: images/s", [r["row"] for r in rows], [r["images_per_s"] for r in rows]))
+    if s3_rows:
+        panels.append(("S3: images/s", [r["row"] for r in s3_rows], [r["images_per_s"] for r in s3_rows]))
         panels.append(
             (
-                "cached cold images/s",
-                [f"steps={c['prefetch_steps']} threads={c['prefetch_threads']}" for c in sweep],
-                [c["images_per_s"] for c in sweep],
+                "S3: client CPU ms / image",
+                [r["row"] for r in s3_rows],
+                [r["cpu_ms_per_image"] for r in s3_rows],
             )
         )
-    bar_chart(out / "bench_data.png", f"ResumableLoader, {a.latency_ms:g} ms/op remote", panels)
+    if panels:
+        bar_chart(out / "bench_data.png", "ResumableLoader vs MosaicML Streaming", panels)
     log(f"wrote {out / 'bench_data.json'} and {out / 'bench_data.png'}")
     return 0
 

@@ -95,34 +95,57 @@ def test_bench_checkpoint_smoke(tmp_path):
 def test_bench_data_smoke(tmp_path):
     p = run_script(
         "bench_data.py",
-        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "100"),
-        *("--batch", "16", "--steps", "4", "--compute-ms", "5", "--latency-ms", "2", "--repeats", "1"),
-        *("--sweep-prefetch-steps", "1,4", "--sweep-threads", "2,8", "--sweep-steps", "4"),
-        *("--out", str(tmp_path)),
+        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "48"),
+        *("--batch", "16", "--steps", "3", "--compute-ms", "5", "--latency-ms", "2", "--repeats", "1"),
+        *("--sweep-prefetch-steps", "1", "--sweep-threads", "2,8", "--sweep-steps", "2"),
+        *("--s3-latency-ms", "2", "--shard-mb", "0.02", "--shuffle-block", "2", "--out", str(tmp_path)),
+        timeout=240,
     )
     report = json.loads((tmp_path / "bench_data.json").read_text())
     assert (tmp_path / "bench_data.png").stat().st_size > 0
     rows = {r["row"]: r for r in report["rows"]}
-    assert list(rows) == ["remote", "cached cold", "cached warm", "floor"]
+    assert list(rows) == ["emulated remote", "emulated cached cold", "emulated cached warm", "floor"]
     for r in rows.values():
-        for k in ("images_per_s", "fetch_s_per_step", "wait_share", "seconds"):
+        for k in ("images_per_s", "fetch_s_per_step", "wait_share", "seconds", "cpu_ms_per_image"):
             assert positive(r[k]), (r["row"], k, r[k])
-    assert rows["cached warm"]["hit_rate"] == 1.0  # the cold pass filled the cache with every file
-    assert {(c["prefetch_steps"], c["prefetch_threads"]) for c in report["sweep"]} == {
-        (1, 2),
-        (1, 8),
-        (4, 2),
-        (4, 8),
-    }
-    assert all(positive(c["images_per_s"]) for c in report["sweep"])
-    assert len(report["targets"]) == 2
-    assert p.stdout.count("PASS") + p.stdout.count("MISS") == 2
+    assert rows["emulated cached warm"]["hit_rate"] == 1.0  # the cold pass filled the cache with every file
+    assert {(c["prefetch_steps"], c["prefetch_threads"]) for c in report["sweep"]} == {(1, 2), (1, 8)}
+    s3 = {r["row"]: r for r in report["s3_rows"]}
+    try:
+        import streaming  # noqa: F401
+
+        mosaic = ["mosaic cold", "mosaic warm"]
+    except ImportError:
+        mosaic = []
+    assert list(s3) == [
+        "s3 remote",
+        "s3 cached cold (old client)",
+        "s3 cached cold",
+        "s3 cached warm",
+        "s3 shards cold",
+        "s3 shards warm",
+        *mosaic,
+    ]
+    for r in s3.values():
+        for k in ("images_per_s", "cpu_ms_per_image"):
+            assert positive(r[k]), (r["row"], k, r[k])
+    # Requests counted at the proxy: one GET per file for remote (the listing aside), a HEAD
+    # more per file a fresh worker client reads with the old client, a handful for shards.
+    files = 6 * 16
+    assert files <= s3["s3 remote"]["requests"] <= files + 10
+    assert s3["s3 remote"]["requests_by_method"].get("HEAD", 0) == 0
+    assert s3["s3 cached cold (old client)"]["requests_by_method"].get("HEAD", 0) > 0
+    assert s3["s3 cached warm"]["requests"] <= 5  # listings only
+    assert s3["s3 shards cold"]["requests"] <= report["s3_staged"]["shards_per_epoch"] + 3
+    assert s3["s3 shards warm"]["requests"] <= 2  # index.json
+    assert len(report["targets"]) == 3 + (2 if mosaic else 0)
+    assert p.stdout.count("PASS") + p.stdout.count("MISS") == len(report["targets"])
     # A second run reuses the generated dataset.
     p2 = run_script(
         "bench_data.py",
-        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "100"),
+        *("--data-root", str(tmp_path / "data"), "--classes", "2", "--per-class", "48"),
         *("--batch", "16", "--steps", "2", "--compute-ms", "1", "--latency-ms", "0", "--repeats", "1"),
-        *("--sweep-prefetch-steps", "", "--sweep-steps", "2", "--out", str(tmp_path / "again")),
+        *("--sweep-prefetch-steps", "", "--sweep-steps", "2", "--no-s3", "--out", str(tmp_path / "again")),
     )
     assert "reusing the dataset" in p2.stderr
     assert json.loads((tmp_path / "again" / "bench_data.json").read_text())["sweep"] == []

@@ -218,3 +218,28 @@ def test_s3_root_through_moto(data_root, tmp_path, reference, s3_bucket):
     got = images(ld, STEPS)
     ld.close()
     assert all(torch.equal(x, y) for x, y in zip(got, reference[0]))
+
+
+def _read_in_fork(url, rel, q):
+    s = Storage(url)
+    q.put((type(s.read_fs).__module__.split(".")[0], len(s.read_bytes(rel))))
+
+
+def test_s3_reads_use_obstore_in_the_owning_process_and_s3fs_after_fork(data_root, s3_bucket):
+    """obstore's runtime does not survive fork: a forked DataLoader worker must fall back to s3fs
+    (a child that touched obstore would hang), and read the same bytes."""
+    pytest.importorskip("obstore")
+    url = f"s3://{s3_bucket}/shapes"
+    _upload(data_root, url)
+    store = Storage(url)
+    rel = "train/" + sorted(store.find("train"))[0]
+    assert type(store.read_fs).__module__.startswith("obstore")
+    data = store.read_bytes(rel)
+    assert data == Storage(data_root).read_bytes(rel)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_fork, args=(url, rel, q))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    assert q.get(timeout=1) == ("s3fs", len(data))

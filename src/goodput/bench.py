@@ -147,3 +147,163 @@ _T0 = time.perf_counter()
 def log(msg: str) -> None:
     """Progress on stderr with seconds since start, so a slow phase is easy to spot."""
     print(f"[{time.perf_counter() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# -- a real S3 API on loopback, with latency and bandwidth injected in front of it --------------
+_METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
+
+
+def _pump(src, dst, counts, lock, latency_s: float, bw_bytes_s: float, upstream: bool) -> None:
+    """Copy one direction of a connection. Client->server: each chunk that opens with an HTTP method
+    starts a request (count it, add the latency). Server->client: pace to the connection's bandwidth."""
+    next_t = time.monotonic()
+    try:
+        while True:
+            chunk = src.recv(1 << 16)
+            if not chunk:
+                break
+            if upstream:
+                if chunk.startswith(_METHODS):
+                    method = chunk.split(b" ", 1)[0].decode()
+                    with lock:
+                        counts[method] = counts.get(method, 0) + 1
+                    if latency_s:
+                        time.sleep(latency_s)
+            elif bw_bytes_s:
+                next_t = max(next_t, time.monotonic()) + len(chunk) / bw_bytes_s
+                delay = next_t - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            dst.sendall(chunk)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
+
+
+def _s3_server_main(conn, latency_ms: float, bandwidth_mb_s: float, max_connections: int) -> None:
+    """Runs in its own process, so the server's and the proxy's CPU never count as the client's."""
+    import logging
+    import socket
+    import socketserver
+    import threading
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    up_host, up_port = server.get_host_and_port()
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+    slots = threading.BoundedSemaphore(max_connections)
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            with slots:  # bounded: at most max_connections proxied at once
+                up = socket.create_connection((up_host, up_port))
+                for s in (self.request, up):
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t = threading.Thread(
+                    target=_pump,
+                    args=(up, self.request, counts, lock, 0.0, bandwidth_mb_s * 1e6, False),
+                    daemon=True,
+                )
+                t.start()
+                _pump(self.request, up, counts, lock, latency_ms / 1000, 0.0, True)
+                t.join()
+                up.close()
+
+    socketserver.ThreadingTCPServer.daemon_threads = True
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    proxy = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    conn.send(f"http://127.0.0.1:{proxy.server_address[1]}")
+    while True:
+        cmd = conn.recv()
+        if cmd == "counts":
+            with lock:
+                conn.send(dict(counts))
+        elif cmd == "reset":
+            with lock:
+                counts.clear()
+            conn.send(True)
+        else:
+            break
+    proxy.shutdown()
+    server.stop()
+
+
+class S3Endpoint:
+    """moto's S3 server behind a loopback proxy adding `latency_ms` per request and capping each
+    connection at `bandwidth_mb_s`; counts requests by method. Loopback only, one helper process.
+
+    `url` is the endpoint for boto3/s3fs/obstore; `counts()` and `reset()` read and clear the tally.
+    """
+
+    def __init__(self, latency_ms: float = 10.0, bandwidth_mb_s: float = 100.0, max_connections: int = 256):
+        import multiprocessing as mp
+
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_s3_server_main, args=(child, latency_ms, bandwidth_mb_s, max_connections), daemon=True
+        )
+        self.proc.start()
+        if not self._conn.poll(60):
+            self.proc.kill()
+            raise RuntimeError("the S3 endpoint (moto + proxy) did not start within 60 s")
+        self.url: str = self._conn.recv()
+
+    def counts(self) -> dict[str, int]:
+        self._conn.send("counts")
+        return self._conn.recv()
+
+    def reset(self) -> None:
+        self._conn.send("reset")
+        self._conn.recv()
+
+    def use_for_fsspec(self) -> None:
+        """Point s3fs (this process and every child) at the endpoint."""
+        import fsspec.config
+
+        os.environ["FSSPEC_S3_ENDPOINT_URL"] = self.url
+        os.environ["S3_ENDPOINT_URL"] = self.url  # MosaicML Streaming's boto3 client reads this
+        os.environ["AWS_ENDPOINT_URL"] = self.url  # boto3 and obstore
+        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = self.url
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send("stop")
+            except OSError:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def process_cpu_s(exclude_pids: Sequence[int] = ()) -> float:
+    """CPU seconds (user + system) of this process and its live children (DataLoader workers),
+    minus `exclude_pids` (the S3 endpoint's process): the client's cost of loading data."""
+    import psutil
+
+    me = psutil.Process()
+    t = me.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system  # reaped children too
+    for ch in me.children(recursive=True):
+        if ch.pid in exclude_pids:
+            continue
+        try:
+            c = ch.cpu_times()
+            total += c.user + c.system
+        except psutil.NoSuchProcess:
+            pass
+    return total

@@ -29,6 +29,7 @@ from goodput.checkpoint.resume import explicit_checkpoint, resume
 from goodput.config import validate
 from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
+from goodput.data.shards import ensure_packed, packed_root
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.fault import Faults
 from goodput.lock import RunLock
@@ -131,6 +132,13 @@ def _prepare_run(c: dict, store: Storage, committed: list, resume: str, leader: 
 
 
 def ensure_data(c: dict) -> None:
+    dc = c["data"]
+    if not (dc["backend"] == "shards" and packed_root(dc["root"], storage_config(c)) == dc["root"]):
+        _ensure_imagefolder(c)  # (a root that already holds packed shards needs no ImageFolder)
+    ensure_packed(dc, storage_config(c))  # data=shards: pack once, before the ranks start
+
+
+def _ensure_imagefolder(c: dict) -> None:
     root = c["data"]["root"]
     if c["data"]["root"] == c["paths"]["data_dir"]:
         if read_record(root) is not None:

@@ -19,7 +19,8 @@ def _raise(errors: list[str]) -> None:
 class DataConfig:
     backend: str = MISSING
     """Where sample bytes come from (one class per option in goodput.data.sources.SOURCES):
-    `cached` = node-local cache + sampler-aware prefetch, `remote` = every read goes to the remote."""
+    `cached` = node-local cache of files + sampler-aware prefetch, `remote` = every read goes to the
+    remote, `shards` = the dataset packed into tar shards, cached whole (packed on first use)."""
 
     root: str = "${paths.data_dir}"
     """The dataset: a path or fsspec URL (s3://bucket/prefix, gs://..., memory://...) holding
@@ -62,12 +63,20 @@ class DataConfig:
     """A file that cannot be read or decoded: `error` stops with its name; `skip` trains on without it
     (padding, ignored by the loss) and counts it in MLflow (data/bad_samples)."""
 
+    shuffle_block: int = 0
+    """data=shards: shards per shuffle block; 0 = a full shuffle (the per-file backends' order). A
+    block of k shards keeps a window of steps on about k shards (few downloads, a small cache) at the
+    cost of shuffle quality: a sample moves at most k shards' worth of positions per epoch instead
+    of anywhere."""
+
     def __post_init__(self):
         from goodput.data.sources import SOURCES  # sources takes its defaults from here
 
         e = []
         if self.backend not in SOURCES:
             e.append(f"data.backend must be one of {sorted(SOURCES)}, got {self.backend!r}")
+        if self.shuffle_block < 0:
+            e.append(f"data.shuffle_block must be >= 0, got {self.shuffle_block}")
         if self.num_workers < 0:
             e.append(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.image_size < 8:

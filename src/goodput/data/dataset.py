@@ -45,9 +45,11 @@ class FileList:
                 continue  # files at the split level or nested deeper are not ImageFolder samples
             by_class.setdefault(parts[0], []).append(rel)
         # A class folder holding no images is a broken dataset, not a class with zero samples.
-        # (find() lists files only, so empty folders come from ls(); object stores have none.)
+        # (find() lists files only, so empty folders come from ls(); object stores have none, so
+        # there the one listing is all: a second one would be another round of requests.)
         classes_on_disk = {r.split("/")[0] for r in found if "/" in r}
-        classes_on_disk |= {n for n, size in storage.ls(split).items() if size == -1}
+        if storage.local:
+            classes_on_disk |= {n for n, size in storage.ls(split).items() if size == -1}
         self.classes = sorted(classes_on_disk)
         if not self.classes:
             raise DataRootError(f"no class folders under {storage.url(split)}")

@@ -43,6 +43,35 @@ class QuietWorkersLoader(DataLoader):
             return super().__iter__()
 
 
+def open_split(cfg: DataConfig, storage: Storage, split: str):
+    """(source, file list) of one split for `cfg.backend`; shards read the packed dataset."""
+    kw = dict(cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit)
+    if cfg.backend == "shards":
+        from goodput.data.shards import open_packed
+
+        packed, files = open_packed(storage, split)
+        return SOURCES["shards"](packed, files=files, **kw), files
+    return SOURCES[cfg.backend](storage, **kw), FileList(storage, split)
+
+
+def make_order(cfg: DataConfig, files, global_batch_size: int, seed: int) -> GlobalOrder:
+    if cfg.backend != "shards":
+        return GlobalOrder(len(files), global_batch_size, seed)
+    from goodput.data.shards import ShardOrder
+
+    order = ShardOrder(files, global_batch_size, seed, cfg.shuffle_block)
+    if cfg.cache_limit is not None:
+        # A window of steps touches at most two blocks of shards (one at an epoch's or block's edge).
+        need = 2 * (order.block or len(files.shards)) * files.shard_bytes
+        if cfg.cache_limit < need:
+            raise ValueError(
+                f"data.cache_limit={cfg.cache_limit} bytes is below two shuffle blocks of shards "
+                f"({need} bytes: 2 x data.shuffle_block={cfg.shuffle_block} x {files.shard_bytes}): "
+                f"raise data.cache_limit or lower data.shuffle_block"
+            )
+    return order
+
+
 def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
     """DataLoader defaults for remote data: workers kept alive across epochs (re-forking them
     costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA."""
@@ -71,14 +100,8 @@ class ResumableLoader:
         transform=None,
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
-        self.source = SOURCES[cfg.backend](
-            storage,
-            cache_dir=cfg.cache_dir,
-            prefetch_threads=cfg.prefetch_threads,
-            cache_limit=cfg.cache_limit,
-        )
-        self.files = FileList(storage, "train")
-        self.order = GlobalOrder(len(self.files), global_batch_size, seed)
+        self.source, self.files = open_split(cfg, storage, "train")
+        self.order = make_order(cfg, self.files, global_batch_size, seed)
         if cfg.cache_limit is not None and cfg.backend == "cached":
             # The protected window is every rank's files for prefetch_steps + 1 steps: a budget below
             # that would have to evict files that are about to be read.
@@ -202,10 +225,7 @@ def eval_loader(
     cfg: DataConfig, storage: Storage, batch_size: int, rank: int, world: int, device, transform=None
 ) -> DataLoader:
     """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
-    source = SOURCES[cfg.backend](
-        storage, cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit
-    )
-    files = FileList(storage, "val")
+    source, files = open_split(cfg, storage, "val")
     ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, transform)
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))

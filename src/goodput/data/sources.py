@@ -173,7 +173,7 @@ class CachedSource:
         entries = []
         for root, _, names in os.walk(self.dir):
             for n in names:
-                if n.startswith((".fill-", ".part-")):
+                if n.startswith((".fill-", ".part-", ".lock-")):
                     continue
                 p = os.path.join(root, n)
                 try:
@@ -210,4 +210,10 @@ class CachedSource:
             self._pool = None
 
 
-SOURCES = {"remote": RemoteSource, "cached": CachedSource}
+def _shards(storage: Storage, **kw):
+    from goodput.data.shards import ShardSource  # imports this module: late
+
+    return ShardSource(storage, **kw)
+
+
+SOURCES = {"remote": RemoteSource, "cached": CachedSource, "shards": _shards}
