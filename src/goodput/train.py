@@ -31,6 +31,8 @@ from goodput.fault import Faults
 from goodput.lock import RunLock
 from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
+from goodput.recovery import Recovery, agent_phases, restart_round, summarize
+from goodput.recovery import failure_time as recovery_failure_time
 from goodput.storage import Storage, StorageConfig
 from goodput.tracking import Tracker, flatten, start_run
 
@@ -176,8 +178,9 @@ def _ckpt_config(c: dict) -> CheckpointConfig:
 class Trainer:
     """Everything a rank trains with. Built twice only if a failed restore touched the state."""
 
-    def __init__(self, c: dict, d):
+    def __init__(self, c: dict, d, recovery: Recovery | None = None):
         self.cfg, self.dist = c, d
+        self.recovery = recovery or Recovery()
         seed = c["seed"]
         torch.manual_seed(seed)  # same initial weights on every rank
         np.random.seed(seed % 2**32)
@@ -195,6 +198,7 @@ class Trainer:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
             )
+        self.recovery.mark("data_listed")
 
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
@@ -234,8 +238,32 @@ class Trainer:
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
 
     def attempts_beat(self, step: int) -> None:
+        if "first_step" not in self.recovery.marks:  # the loop calls this after every step
+            self.recovery.mark("first_step")
+            if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
+                self.record_recovery(step)
         if self.dist.rank == 0:
             self.attempts.beat_async(step)
+
+    def record_recovery(self, step: int) -> None:
+        """Rank 0, once the first step after a restart is done: the restart's phase record goes to the
+        attempt record (the summary gathers them), to MLflow (recovery/*, step = restart number)."""
+        try:
+            n = self.attempts.record["attempt"]
+            prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
+            failure, source = recovery_failure_time(self.faults.fired(), prev)
+            rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
+                rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
+            self.attempts.record["recovery"] = rec
+            self.attempts.beat(step)
+            metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
+            if "total_seconds" in rec:
+                metrics["recovery/total_seconds"] = rec["total_seconds"]
+            self.tracker.log(metrics, n)
+            log.info("recovery %d: %s", n, json.dumps(rec["seconds"]))
+        except Exception as e:  # measuring must never stop training
+            log.warning("could not record the recovery phases: %s", e)
 
     def close(self) -> None:
         self.ckpt.close()
@@ -295,18 +323,23 @@ def worker(c: dict) -> dict | None:
     # elastic restart, from this worker's start: the gap since the crash is lost time.
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     t_start = c["job_start"] if first else time.time()
+    recovery = Recovery()
+    recovery.mark("imports_done")  # this function's module is imported before it is called
     d = init_distributed()
+    recovery.mark("pg_ready")
     if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
         shared = [c["mlflow_run_id"], c["run_dir"]]
         dist.broadcast_object_list(shared, src=0)
         c = {**c, "mlflow_run_id": shared[0], "run_dir": shared[1]}
     if d.rank != 0:  # rank hygiene: warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
-    t = None
+    t, finished = None, False
     try:
-        t = Trainer(c, d)
+        t = Trainer(c, d, recovery)
+        recovery.mark("built")
         candidates = _candidates(t, c)
         rec, skipped = t.ckpt.restore(t.app, candidates)
+        recovery.mark("checkpoint_read")
         for s in skipped:
             log.warning("could not load checkpoint %s; falling back to the previous one", s)
         if resume_spec(c) not in ("auto", "none") and rec is None:
@@ -314,7 +347,7 @@ def worker(c: dict) -> dict | None:
         if skipped and rec is None:  # a failed load may have touched the state: rebuild it fresh
             log.warning("no committed checkpoint could be loaded: starting from scratch")
             t.close()
-            t = Trainer(c, d)
+            t = Trainer(c, d, recovery)
         resumed = rec["step"] if rec else None
         if d.rank == 0 and resume_spec(c) != "none":
             t.ckpt.supersede_after(resumed if resumed is not None else -1)
@@ -348,6 +381,7 @@ def worker(c: dict) -> dict | None:
                 "restarts": restarts,
                 "resumed_from_steps": t.ledger.resumed_from,
                 "goodput": goodput,
+                "recovery": recovery_summary(t.attempts),
                 "mlflow_run_id": c["mlflow_run_id"],
                 "checkpoint_dir": t.ckpt_store.url(),
                 "last_committed_step": t.ckpt.last_committed_step,
@@ -363,12 +397,20 @@ def worker(c: dict) -> dict | None:
             hydra_dir = os.path.join(c["run_dir"], ".hydra")
             if os.path.isdir(hydra_dir):
                 t.tracker.artifacts(hydra_dir, "hydra")
+        finished = True
         return summary
     finally:
         if t is not None:
             t.close()
-            t.tracker.close()
+            t.tracker.close("FINISHED" if finished else "FAILED")
         shutdown_distributed()
+
+
+def recovery_summary(attempts: Attempts) -> dict:
+    """Every restart's phase record (from the attempt records) and their medians."""
+    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
+    per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
+    return {**summarize(per), "per_restart": per}
 
 
 def write_summary(run_dir: str, summary: dict) -> None:
