@@ -32,7 +32,10 @@ def preload_forkserver() -> None:
     The forkserver is a clean single-threaded process (no inherited threads, locks or CUDA state,
     which is why workers are not forked from this process). The preload must be set here, in the
     process that owns the forkserver (the elastic agent's), before it first starts."""
-    multiprocessing.set_forkserver_preload(["torch", "goodput.train"])
+    # MLflow's SQL store is imported on the first client (1.1 s on 2 cores): preload it too.
+    multiprocessing.set_forkserver_preload(
+        ["torch", "goodput.train", "mlflow.store.tracking.sqlalchemy_store"]
+    )
 
 
 def launch(c: dict) -> dict | None:

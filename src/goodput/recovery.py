@@ -41,6 +41,7 @@ PHASES = (
     "data_listed",
     "built",
     "checkpoint_read",
+    "ready",
     "first_step",
 )
 AGENT_FILE = "elastic/agent_phases.jsonl"

@@ -368,6 +368,7 @@ def worker(c: dict) -> dict | None:
         if rec is None:  # nothing restored: wall time still counts from the run's first attempt
             t.ledger.run_start = first_start
         t.ledger.add("startup", time.time() - t_start)
+        recovery.mark("ready")
         result = loop.train(t)
         digest = model_sha256(t.model)
         summary = None
