@@ -92,7 +92,7 @@ class ResumableLoader:
             prefetch_threads=cfg.prefetch_threads,
             cache_limit=cfg.cache_limit,
         )
-        self.files = FileList(storage, "train")
+        self.files = FileList(storage, "train", cfg.cache_dir)
         self.order = GlobalOrder(len(self.files), global_batch_size, seed)
         if cfg.cache_limit is not None and cfg.backend == "cached":
             # The protected window is every rank's files for prefetch_steps + 1 steps: a budget below
@@ -220,7 +220,7 @@ def eval_loader(
     source = SOURCES[cfg.backend](
         storage, cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit
     )
-    files = FileList(storage, "val")
+    files = FileList(storage, "val", cfg.cache_dir)
     ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample)
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))
