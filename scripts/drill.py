@@ -41,7 +41,6 @@ PRESETS = {  # a realistic ratio: failures every ~60 s, restarts cheap enough th
             "checkpoint=dcp_async",
             "checkpoint.every_n_steps=20",
             "trainer.max_steps=3000",  # about 10-12 minutes clean on 2 cores
-            "fault.rank=1",
         ],
     },
 }

@@ -7,7 +7,9 @@
   crashed attempt's last heartbeat (`failure_source` says which).
 - `detected`, `workers_gone`, `rendezvous_done`: the elastic agent's own profiling metrics
   (torch.distributed.elastic.metrics), recorded by `AgentPhases` in the agent's process and read
-  back here; absent under an external launcher (torchrun, srun).
+  back here; absent under an external launcher (torchrun, srun). torch's process context already
+  stops the survivors before it reports a failure, so their exit falls in `detected` and
+  `workers_gone` (the agent's own stop) is ~0.
 - `process_started`: this process's start time from the kernel; the rest are marked by the worker
   (`built`: model, optimizer and checkpoint manager made; `first_step`: the first step after the
   restore is done).
