@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -96,6 +97,7 @@ class Attempts:
             "start": time.time(),
             "resumed_from": resumed_from,
             "step": resumed_from or 0,
+            "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # elastic restart round
         }
         self.beat(resumed_from or 0)
         return n

@@ -3,6 +3,7 @@ records that it fired, so relaunching the same command (or an elastic restart) r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -66,11 +67,24 @@ class Faults:
         marker = f"faults/{name}.fired"
         if self.storage.exists(marker):
             return
-        self.storage.write_bytes(marker, b"")
+        # the kill time, so a restart can measure its recovery from the failure itself
+        info = {"time": time.time(), "rank": self.rank, "attempt": self._attempt}
+        self.storage.write_bytes(marker, json.dumps(info).encode())
         log.warning("fault injection: SIGKILL rank %d (%s)", self.rank, name)
         for h in logging.getLogger().handlers:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def fired(self) -> dict[str, dict]:
+        """The markers of the faults fired so far: name -> {time, rank, attempt} (empty for old markers)."""
+        out = {}
+        for name in self.storage.ls("faults"):
+            if name.endswith(".fired"):
+                try:
+                    out[name] = json.loads(self.storage.read_bytes(f"faults/{name}") or b"{}")
+                except (ValueError, FileNotFoundError):
+                    pass
+        return out
 
     def at_step(self, step: int) -> None:
         if self.rank != self.target_rank:

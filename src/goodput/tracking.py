@@ -196,6 +196,7 @@ class Tracker:
             return
         self.client = MlflowClient(uri)
         self._q: queue.Queue = queue.Queue()
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="mlflow-log", daemon=True)
         self._thread.start()
 
@@ -208,7 +209,7 @@ class Tracker:
     def _drain(self) -> None:
         while True:
             got = [self._q.get()]
-            time.sleep(0.5)  # let a batch gather
+            self._closing.wait(0.5)  # let a batch gather (not when closing: a failed rank exits fast)
             while not self._q.empty() and len(got) < 900:
                 got.append(self._q.get_nowait())
             batch = [m for m in got if m is not None]
@@ -262,6 +263,7 @@ class Tracker:
 
     def close(self, status: str = "FINISHED") -> None:
         if self.enabled:
+            self._closing.set()
             self._q.put(None)
             self._thread.join(timeout=60)
             _retry(self.client.set_terminated, self.run_id, status)

@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 
 import numpy as np
@@ -35,6 +36,8 @@ from goodput.fault import Faults
 from goodput.lock import RunLock
 from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
+from goodput.recovery import Recovery, agent_phases, restart_round, summarize
+from goodput.recovery import failure_time as recovery_failure_time
 from goodput.storage import Storage, StorageConfig
 from goodput.tracking import Tracker, flatten, source_tags, start_run
 
@@ -174,8 +177,9 @@ def _ckpt_config(c: dict) -> CheckpointConfig:
 class Trainer:
     """Everything a rank trains with. Built twice only if a failed restore touched the state."""
 
-    def __init__(self, c: dict, d):
+    def __init__(self, c: dict, d, recovery: Recovery | None = None):
         self.cfg, self.dist = c, d
+        self.recovery = recovery or Recovery()
         seed = c["seed"]
         torch.manual_seed(seed)  # same initial weights on every rank
         np.random.seed(seed % 2**32)
@@ -195,6 +199,7 @@ class Trainer:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
             )
+        self.recovery.mark("data_listed")
 
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
@@ -232,8 +237,32 @@ class Trainer:
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def attempts_beat(self, step: int) -> None:
+        if "first_step" not in self.recovery.marks:  # the loop calls this after every step
+            self.recovery.mark("first_step")
+            if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
+                self.record_recovery(step)
         if self.dist.rank == 0:
             self.attempts.beat_async(step)
+
+    def record_recovery(self, step: int) -> None:
+        """Rank 0, once the first step after a restart is done: the restart's phase record goes to the
+        attempt record (the summary gathers them), to MLflow (recovery/*, step = restart number)."""
+        try:
+            n = self.attempts.record["attempt"]
+            prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
+            failure, source = recovery_failure_time(self.faults.fired(), prev)
+            rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
+                rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
+            self.attempts.record["recovery"] = rec
+            self.attempts.beat(step)
+            metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
+            if "total_seconds" in rec:
+                metrics["recovery/total_seconds"] = rec["total_seconds"]
+            self.tracker.log(metrics, n)
+            log.info("recovery %d: %s", n, json.dumps(rec["seconds"]))
+        except Exception as e:  # measuring must never stop training
+            log.warning("could not record the recovery phases: %s", e)
 
     def close(self) -> None:
         self.ckpt.close()
@@ -250,20 +279,25 @@ def worker(c: dict) -> dict | None:
     # elastic restart, from this worker's start: the gap since the crash is lost time.
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     t_start = c["job_start"] if first else time.time()
+    recovery = Recovery()
+    recovery.mark("imports_done")  # this function's module is imported before it is called
     d = init_distributed()
+    recovery.mark("pg_ready")
     if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
         shared = [c["mlflow_run_id"], c["run_dir"]]
         dist.broadcast_object_list(shared, src=0)
         c = {**c, "mlflow_run_id": shared[0], "run_dir": shared[1]}
     if d.rank != 0:  # rank hygiene: warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
-    t = None
+    t, finished = None, False
     try:
-        t = Trainer(c, d)
+        t = Trainer(c, d, recovery)
+        recovery.mark("built")
         rec, touched = resume(t.ckpt, t.app, c["run"]["resume"])
+        recovery.mark("checkpoint_read")
         if touched:  # a failed load may have written into the live state: rebuild it fresh
             t.close()
-            t = Trainer(c, d)
+            t = Trainer(c, d, recovery)
         resumed = rec["step"] if rec else None
         if rec:
             t.ledger.resumed_from.append(rec["step"])
@@ -281,6 +315,7 @@ def worker(c: dict) -> dict | None:
         if rec is None:  # nothing restored: wall time still counts from the run's first attempt
             t.ledger.run_start = first_start
         t.ledger.add("startup", time.time() - t_start)
+        recovery.mark("ready")
         result = loop.train(t)
         digest = model_sha256(t.model)
         summary = None
@@ -294,6 +329,7 @@ def worker(c: dict) -> dict | None:
                 "restarts": restarts,
                 "resumed_from_steps": t.ledger.resumed_from,
                 "goodput": goodput,
+                "recovery": recovery_summary(t.attempts),
                 "mlflow_run_id": c["mlflow_run_id"],
                 "checkpoint_dir": t.ckpt_store.url(),
                 "last_committed_step": t.ckpt.last_committed_step,
@@ -309,12 +345,49 @@ def worker(c: dict) -> dict | None:
             hydra_dir = os.path.join(c["run_dir"], ".hydra")
             if os.path.isdir(hydra_dir):
                 t.tracker.artifacts(hydra_dir, "hydra")
+        finished = True
         return summary
+    except BaseException as e:
+        if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
+            fail_fast(e, t)
+        raise
     finally:
         if t is not None:
             t.close()
-            t.tracker.close()
+            t.tracker.close("FINISHED" if finished else "FAILED")
         shutdown_distributed()
+
+
+def fail_fast(e: BaseException, t: Trainer | None) -> None:
+    """A rank that failed under the elastic agent (usually: a peer died in a collective) has one job
+    left: exit, because the agent restarts nobody until every rank of the group is gone. Python's
+    own teardown (DataLoader workers joined, prefetch threads drained) took 2-2.5 s on 2 cores, and
+    waiting for a checkpoint in flight can hang: its commit needs the dead peer (10 s, until the
+    SIGTERM grace ran out). A save that did not commit is cleaned up by the next attempt. So: flush
+    the MLflow queue (at most 2 s), leave the error file the agent reports (as torch's @record
+    would), and exit at once."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        log.error("rank failed, exiting for a restart: %r", e, exc_info=e)
+        if t is not None:
+            flush = threading.Thread(target=t.tracker.close, args=("FAILED",), daemon=True)
+            flush.start()
+            flush.join(timeout=2)
+        ErrorHandler().record_exception(e)
+    except BaseException as cleanup:
+        log.error("while failing: %r", cleanup)
+    finally:
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os._exit(1)
+
+
+def recovery_summary(attempts: Attempts) -> dict:
+    """Every restart's phase record (from the attempt records) and their medians."""
+    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
+    per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
+    return {**summarize(per), "per_restart": per}
 
 
 def write_summary(run_dir: str, summary: dict) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import tempfile
 
 import torch
 from torchvision.io import ImageReadMode, decode_image
@@ -28,11 +31,17 @@ class DataRootError(FileNotFoundError):
 class FileList:
     """The sorted (path, label) listing of one split: `<root>/<split>/<class>/<file>`."""
 
-    def __init__(self, storage: Storage, split: str):
-        try:
-            found = storage.find(split)
-        except FileNotFoundError:
-            found = {}
+    def __init__(self, storage: Storage, split: str, cache_dir: str | None = None):
+        listing = _ListingCache(storage, split, cache_dir)
+        cached = listing.load()
+        if cached is not None:
+            found, dirs = cached
+        else:
+            try:
+                found = storage.find(split)
+            except FileNotFoundError:
+                found = {}
+            dirs = None
         if not found:
             raise DataRootError(
                 f"no files under {storage.url(split)}: the dataset root must hold "
@@ -48,8 +57,10 @@ class FileList:
         # (find() lists files only, so empty folders come from ls(); object stores have none, so
         # there the one listing is all: a second one would be another round of requests.)
         classes_on_disk = {r.split("/")[0] for r in found if "/" in r}
-        if storage.local:
-            classes_on_disk |= {n for n, size in storage.ls(split).items() if size == -1}
+        if dirs is None:
+            dirs = sorted(n for n, size in storage.ls(split).items() if size == -1) if storage.local else []
+            listing.save(found, dirs)
+        classes_on_disk |= set(dirs)
         self.classes = sorted(classes_on_disk)
         if not self.classes:
             raise DataRootError(f"no class folders under {storage.url(split)}")
@@ -69,6 +80,47 @@ class FileList:
 
     def __len__(self) -> int:
         return len(self.files)
+
+
+class _ListingCache:
+    """The remote listing of a split, kept beside the node cache for the restarts of one elastic job.
+
+    The first attempt lists the remote and writes the listing; an elastic restart of the same job
+    (same TORCHELASTIC_RUN_ID) reads it instead of listing the remote again. A new job, or a run
+    outside the elastic agent, always lists the remote. The restored checkpoint still checks the
+    listing (file count and fingerprint, see ResumableLoader.load_state_dict)."""
+
+    def __init__(self, storage: Storage, split: str, cache_dir: str | None):
+        self.job = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.path = None
+        if cache_dir and self.job:
+            ns = hashlib.sha1(storage.root.encode()).hexdigest()[:12]
+            self.path = os.path.join(os.path.abspath(cache_dir), "listings", f"{ns}-{split}.json")
+        self.root = storage.root
+
+    def load(self) -> tuple[dict[str, int], list[str]] | None:
+        if self.path is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            return None
+        try:
+            with open(self.path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if rec.get("job") != self.job or rec.get("root") != self.root:
+            return None
+        return rec["found"], rec["dirs"]
+
+    def save(self, found: dict[str, int], dirs: list[str]) -> None:
+        if self.path is None or not found:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".listing-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"job": self.job, "root": self.root, "found": found, "dirs": dirs}, f)
+            os.replace(tmp, self.path)  # atomic: the other ranks of the node write the same listing
+        except OSError as e:
+            log.debug("could not cache the listing of %s: %s", self.root, e)
 
 
 class ImageDataset(torch.utils.data.Dataset):

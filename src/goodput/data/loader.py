@@ -51,7 +51,7 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
 
         packed, files = open_packed(storage, split)
         return SOURCES["shards"](packed, files=files, **kw), files
-    return SOURCES[cfg.backend](storage, **kw), FileList(storage, split)
+    return SOURCES[cfg.backend](storage, **kw), FileList(storage, split, cfg.cache_dir)
 
 
 def make_order(cfg: DataConfig, files, global_batch_size: int, seed: int) -> GlobalOrder:
@@ -79,11 +79,29 @@ def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.dev
     if num_workers > 0:
         kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_ignore_preemption)
         if sys.platform == "linux":
-            # Elastic workers are started with spawn, and a spawned process inherits spawn as its
-            # default start method: each DataLoader worker would re-import torch (8 s of fetch after
-            # every restart on 2 cores). Fork is the Linux default everywhere else; keep it.
+            # Elastic workers come from a forkserver (or spawn), and such a process inherits that as
+            # its default start method: each DataLoader worker would be a new interpreter that
+            # re-imports torch (8 s of fetch after every restart on 2 cores). Fork, as elsewhere.
             kw["multiprocessing_context"] = "fork"
+            kw["worker_init_fn"] = die_with_parent
     return kw
+
+
+def die_with_parent(worker_id: int) -> None:
+    """A forked DataLoader worker holds copies of its rank's sockets and of the pipe the elastic
+    agent watches: while it lives, neither the peers nor the agent see a killed rank die (the
+    worker only notices after its 5 s watchdog). Ask the kernel to kill it with its parent."""
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class ResumableLoader:
