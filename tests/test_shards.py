@@ -101,7 +101,7 @@ def test_resume_mid_epoch_is_bitwise_identical(packed, tmp_path, reference, befo
     first = images(a, 3)
     sd = a.state_dict()
     a.close()
-    assert sd["step"] == 3 and sd["epoch"] == 0
+    assert sd["step"] == 3  # delivered, not prefetched
     b = loader(packed, tmp_path / "c", workers=after)
     b.load_state_dict(sd)
     rest = images(b, STEPS - 3)
