@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
-from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS, signals_blocked
+from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,8 @@ def train(t) -> dict:
             t.tracker.log({"val/accuracy": val_acc}, step)
 
         stopping = stop.agreed(d.world)
-        if t.ckpt.due(step) or step == max_steps or stopping:
-            with signals_blocked():  # the first async save may start DCP's daemon and threads
-                blocking = t.ckpt.save(step, t.app)
+        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping)
+        if blocking is not None:
             t.ledger.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
         for m in t.ckpt.drain_metrics():

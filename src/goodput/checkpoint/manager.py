@@ -38,6 +38,7 @@ from goodput.checkpoint.layout import (
     step_dir,
 )
 from goodput.checkpoint.state import AppState
+from goodput.signals import signals_blocked
 from goodput.storage import CHECKSUM, Storage, file_digest
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,15 @@ class CheckpointManager:
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
     # -- when ------------------------------------------------------------------------------
+    def maybe_save(self, step: int, app: AppState, last: bool = False) -> float | None:
+        """The loop's one call after each step: save when the interval says so, or when this is the
+        last step of the run or of this attempt (the end of training, an agreed stop signal).
+        Returns the seconds the loop was blocked, or None when there was nothing to save."""
+        if not (last or self.due(step)):  # `last` is the same on every rank: due()'s collective stays matched
+            return None
+        with signals_blocked():  # the first async save may start DCP's daemon and threads: they
+            return self.save(step, app)  # inherit the blocked mask (see goodput.signals)
+
     def due(self, step: int) -> bool:
         """Step-count and wall-clock triggers. The wall clock is rank 0's, broadcast, so all ranks agree."""
         by_steps = bool(self.cfg.every_n_steps) and step % self.cfg.every_n_steps == 0

@@ -28,10 +28,13 @@ class DatasetChangedError(IncompatibleCheckpoint):
     pass
 
 
-def _ignore_preemption(worker_id: int) -> None:
+def _init_worker(worker_id: int) -> None:
     # A preemption notice goes to the whole process group; a worker that died of it would fail the
-    # main process before it could checkpoint. Workers leave shutdown to the main process.
+    # main process before it could checkpoint. Workers leave shutdown to the main process...
     obey_parent_only()
+    # ...and do not outlive it (see die_with_parent).
+    if sys.platform == "linux":
+        die_with_parent(worker_id)
 
 
 class QuietWorkersLoader(DataLoader):
@@ -77,13 +80,12 @@ def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.dev
     costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA."""
     kw: dict = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
-        kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_ignore_preemption)
+        kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_init_worker)
         if sys.platform == "linux":
             # Elastic workers come from a forkserver (or spawn), and such a process inherits that as
             # its default start method: each DataLoader worker would be a new interpreter that
             # re-imports torch (8 s of fetch after every restart on 2 cores). Fork, as elsewhere.
             kw["multiprocessing_context"] = "fork"
-            kw["worker_init_fn"] = die_with_parent
     return kw
 
 
