@@ -23,9 +23,21 @@ def train_cmd(root, *overrides: str, experiment: str = "smoke") -> list[str]:
     return [sys.executable, TRAIN, *flags, f"experiment={experiment}", f"paths.root={root}", *rest]
 
 
+def entry_env() -> dict:
+    """The environment for the entry point: no launcher variables, no outside MLflow store."""
+    return {**without_launcher_env(None, "MLFLOW_TRACKING_URI"), "PYTHONUNBUFFERED": "1"}
+
+
+def start_train(cmd: list[str], out) -> subprocess.Popen:
+    """Start `cmd` (see train_cmd) in its own session, so a test can signal its whole process group."""
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=entry_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, experiment: str = "smoke"):
     """Run scripts/train.py; returns (completed process, newest summary.json or None)."""
-    env = {**without_launcher_env(None, "MLFLOW_TRACKING_URI"), "PYTHONUNBUFFERED": "1"}
+    env = entry_env()
     p = subprocess.run(
         train_cmd(root, *overrides, experiment=experiment),
         cwd=REPO,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_train, train_cmd
+from conftest import run_train, start_train, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,9 @@ def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float =
     """Start the real entry point in its own session, wait for the first committed checkpoint
     (training is under way), send `sig` to the whole process group (or to the process started,
     alone); returns (rc, output)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
     log = root / "interrupted.log"
     with open(log, "w") as out:
-        p = subprocess.Popen(
-            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        p = start_train(train_cmd(root, *overrides), out)
         deadline = time.monotonic() + timeout
         while not committed_steps(root):
             assert p.poll() is None, log.read_text()[-4000:]
@@ -128,16 +123,12 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
     training is under way; timeout_min is long so the controller's own timer never fires."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     ref = smoke_reference("dcp_sync", *EXTRA)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
     cmd = train_cmd(
         tmp_path, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30",
         "checkpoint=dcp_sync", *EXTRA,
     )  # fmt: skip
     with open(tmp_path / "hydra.log", "w") as out:
-        p = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        p = start_train(cmd, out)
         try:
             deadline = time.monotonic() + 240
             pid = _task_pid(tmp_path, deadline)

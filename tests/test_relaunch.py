@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, final_checkpoint_state, run_train, train_cmd
+from conftest import final_checkpoint_state, run_train, start_train, train_cmd
 
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.tracking import ensure_store, start_run
@@ -83,14 +83,9 @@ def _phase(log: str) -> str:
 def _kill_at(root, anchor: str | None, delay: float, *overrides: str) -> tuple[int, str]:
     """Start the entry point; `delay` s after `anchor` appears in its output (after the start if
     None), SIGKILL its process group. Returns (exit status, output)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
     log = root / "attempt.log"
     with open(log, "w") as out:
-        p = subprocess.Popen(
-            train_cmd(root, *overrides), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        p = start_train(train_cmd(root, *overrides), out)
         deadline = time.monotonic() + 300
         while anchor is not None and anchor not in log.read_text() and p.poll() is None:
             assert time.monotonic() < deadline
