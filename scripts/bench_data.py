@@ -396,7 +396,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
             d = os.path.join(work, f"s3-{rep}")
             ps, th, sth, old = a.prefetch_steps, a.prefetch_threads, a.shard_threads, OldClientStorage(folder)
             plan = [
-                ("s3 remote", ours(a, Storage(folder), "remote", f"{d}/none", 0, 1, steps)),
+                ("s3 remote", ours(a, Storage(folder), "remote", f"{d}/none", 1, 1, steps)),  # no prefetch
                 (
                     "s3 cached cold (old client)",
                     ours(a, old, "cached", f"{d}/o", ps, th, steps),
