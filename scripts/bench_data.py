@@ -184,7 +184,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
     from streaming import StreamingDataLoader, StreamingDataset
     from torchvision.io import ImageReadMode, decode_image
 
-    from goodput.data.dataset import train_transform
+    from goodput.data import augment
     from goodput.data.sampler import sample_seed
 
     class Images(StreamingDataset):
@@ -207,7 +207,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
             shuffle_seed=a.seed,
             shuffle_block_size=max(1, a.shuffle_block) * samples_per_shard,
         )
-        ds.tf = train_transform(a.image_size)
+        ds.tf = augment.build(None, a.image_size)[0]  # the standard pipeline, as ours use
         kw = {"prefetch_factor": a.prefetch_factor, "persistent_workers": True} if a.num_workers else {}
         dl = StreamingDataLoader(ds, batch_size=a.batch, num_workers=a.num_workers, **kw)
         it = iter(dl)
