@@ -144,11 +144,12 @@ class AppState:
 
     def state_dict(self, options: StateDictOptions) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
+        # (full_state_dict with cpu_offload gives ranks other than 0 empty dicts: nothing to save there)
         sd = {
             "model": msd,
-            "optim": {"state": osd["state"]},
+            "optim": {"state": osd.get("state", {})},
             "extra": {
-                PARAM_GROUPS: encode(osd[PARAM_GROUPS]),
+                PARAM_GROUPS: encode(osd.get(PARAM_GROUPS, [])),
                 **{k: encode(p.state_dict()) for k, p in self.parts.items()},
             },
             f"rank{self.rank}": {k: encode(p.state_dict()) for k, p in self.rank_parts.items()},
@@ -161,7 +162,7 @@ class AppState:
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
         sd = {
             "model": msd,
-            "optim": {"state": osd["state"]},
+            "optim": {"state": osd.get("state", {})},
             "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
         }
         if self.rank < saved_world:
