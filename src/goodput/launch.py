@@ -40,7 +40,7 @@ def preload_forkserver() -> None:
     process that owns the forkserver (the elastic agent's), before it first starts."""
     # MLflow's SQL store is imported on the first client (1.1 s on 2 cores): preload it too.
     multiprocessing.set_forkserver_preload(
-        ["torch", "goodput.train", "mlflow.store.tracking.sqlalchemy_store"]
+        ["goodput.forkserver_init", "torch", "goodput.train", "mlflow.store.tracking.sqlalchemy_store"]
     )
 
 

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ from goodput.model import model_sha256
 from goodput.parallel import STRATEGIES, init_distributed, shutdown_distributed
 from goodput.recovery import Recovery, agent_phases, restart_round, summarize
 from goodput.recovery import failure_time as recovery_failure_time
+from goodput.signals import PREEMPT_SIGNALS
 from goodput.storage import Storage, StorageConfig
 from goodput.tracking import Tracker, flatten, source_tags, start_run
 
@@ -271,6 +273,10 @@ class Trainer:
 
 def worker(c: dict) -> dict | None:
     """One rank of the job. Returns the summary on rank 0."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in PREEMPT_SIGNALS:  # a worker from the forkserver inherits SIG_IGN (forkserver_init):
+            if signal.getsignal(sig) == signal.SIG_IGN:  # until the loop handles them, a stop
+                signal.signal(sig, signal.SIG_DFL)  # request ends the process, as it always did
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
     torch.set_num_threads(c["trainer"]["num_threads"])
     if c["trainer"]["deterministic"]:
