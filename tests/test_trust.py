@@ -135,7 +135,7 @@ def test_payloads_are_real(tmp_path):
             pass
         assert marker.exists(), name
         marker.unlink()
-    pickletools.dis(build_payloads(tmp_path / "m")["allowed-module-other-name"], out=io.StringIO())
+    pickletools.dis(build_payloads(tmp_path / "m")["allowed-module-other-name"])  # a well-formed pickle
 
 
 @pytest.mark.parametrize("payload", sorted(build_payloads("x")))

@@ -105,7 +105,8 @@ class TrainerConfig:
     """Progress bar: `auto` = only on a terminal; true | false."""
 
     signal_grace_seconds: int = 10
-    """After SIGTERM/SIGUSR1, exit hard if the step boundary is not reached by then (a stuck peer)."""
+    """After a preemption signal (TERM, INT, USR1, USR2), exit hard if the step boundary is not
+    reached by then (a stuck peer). Longer than one step, or a slow step is cut short."""
 
     def __post_init__(self):
         e = []
