@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
+from hydra.utils import instantiate  # noqa: E402
 
 from goodput import storage as storage_mod
 from goodput.bench import (
@@ -116,16 +117,18 @@ def _env(rank: int, world: int, port: int) -> None:
 def _manager(a: dict, backend: str, async_type: str | None, work: str, d) -> CheckpointManager:
     """One row's manager, as the trainer builds it: its own remote dir and node-local staging dir."""
     storage = Storage(os.path.join(work, "remote"), StorageConfig(a["latency_ms"], a["bandwidth_mb_s"]))
+    node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS[backend].__name__}"}
+    if backend == "dcp_async":
+        node["async_type"] = async_type or "thread"
     cfg = CheckpointConfig(
-        backend=backend,
+        backend=node,
         dir=storage.root,
         staging_dir=os.path.join(work, "staging"),  # node-local, shared by the ranks of the node
         every_n_steps=None,
         every_n_minutes=None,
         keep_last=1,
-        async_type=async_type or "thread",
     )
-    impl = BACKENDS[backend](async_type=async_type or "thread")
+    impl = instantiate(node)
     return CheckpointManager(cfg, storage, impl, d.rank, d.world, d.local_rank, pg=d.ckpt_pg)
 
 

@@ -21,9 +21,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
 from goodput.config import ConfigError  # noqa: E402
+from goodput.job import AlreadyDone, prepare  # noqa: E402
 from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
 from goodput.lock import RunLocked  # noqa: E402
-from goodput.train import AlreadyDone, prepare  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")

@@ -57,7 +57,8 @@ def manager(
     tmp_path, backend: str, d, remote: str | None = None, keep_last: int = 3, **kw
 ) -> CheckpointManager:
     remote = remote or str(tmp_path / "remote")
-    cfg = CheckpointConfig(backend, remote, str(tmp_path / "staging"), None, None, keep_last, **kw)
+    node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS[backend].__name__}"}
+    cfg = CheckpointConfig(node, remote, str(tmp_path / "staging"), None, None, keep_last, **kw)
     return CheckpointManager(cfg, Storage(remote), BACKENDS[backend](), 0, 1, 0, pg=d.ckpt_pg)
 
 
@@ -254,9 +255,10 @@ def test_resaving_a_step_moves_the_old_dir_aside(tmp_path, dist1):
 
 @pytest.mark.slow
 def test_process_async_checkpointer_through_the_entry_point(tmp_path, smoke_reference):
-    """checkpoint.async_type=process: DCP's daemon process does the write; kill and resume still exact."""
+    """checkpoint.backend.async_type=process: DCP's daemon process does the write; kill and resume
+    still exact."""
     ref = smoke_reference("dcp_async")
-    over = ["checkpoint=dcp_async", "checkpoint.async_type=process", "checkpoint.every_n_steps=2"]
+    over = ["checkpoint=dcp_async", "checkpoint.backend.async_type=process", "checkpoint.every_n_steps=2"]
     run_train(tmp_path, *over, "fault.kill_at_step=9", expect_rc=-9)
     _, s = run_train(tmp_path, *over, "fault.kill_at_step=9")
     assert s["resumed_from_steps"] and s["resumed_from_steps"][0] in (6, 8)

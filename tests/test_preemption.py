@@ -92,10 +92,10 @@ def test_signal_to_the_agents_process_alone_is_forwarded_to_the_workers(tmp_path
 
 
 def test_process_group_signal_spares_the_async_checkpoint_daemon(tmp_path, smoke_reference):
-    """checkpoint.async_type=process: DCP's spawned daemon is in the process group too; a daemon killed
-    by the signal would fail the final save ("Connection reset by peer"), one that ignored its
+    """checkpoint.backend.async_type=process: DCP's spawned daemon is in the process group too; a
+    daemon killed by the signal would fail the final save ("Connection reset by peer"), one that ignored its
     parent's SIGTERM would hang the exit (multiprocessing terminates daemonic children)."""
-    extra = ("checkpoint.async_type=process", *EXTRA)
+    extra = ("checkpoint.backend.async_type=process", *EXTRA)
     ref = smoke_reference("dcp_async", *extra)
     check_preempted_then_resumed(tmp_path, signal.SIGTERM, ref, "checkpoint=dcp_async", *extra)
 

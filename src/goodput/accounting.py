@@ -22,11 +22,36 @@ from goodput.storage import Storage
 CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval")
 
 
+def process_start() -> float:
+    """Wall-clock time at which this process started, so start-up includes the interpreter and
+    every import (torch alone takes seconds). Linux: the kernel's start time of the process, taken
+    relative to the uptime clock (both in 10 ms ticks; /proc/stat's boot time is whole seconds).
+    Elsewhere: psutil when installed, else the time goodput was first imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
 class Ledger:
     def __init__(self):
         self.run_start = time.time()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.resumed_from: list[int] = []
+        self.attempt = -1  # the attempt (goodput.accounting.Attempts) whose start-up is the newest counted
 
     def add(self, category: str, seconds: float) -> None:
         self.totals[category] += seconds
@@ -36,12 +61,14 @@ class Ledger:
             "run_start": self.run_start,
             "totals": dict(self.totals),
             "resumed_from": list(self.resumed_from),
+            "attempt": self.attempt,
         }
 
     def load_state_dict(self, sd: dict) -> None:
         self.run_start = sd["run_start"]
         self.totals = {c: float(sd["totals"].get(c, 0.0)) for c in CATEGORIES}
         self.resumed_from = list(sd["resumed_from"])
+        self.attempt = int(sd.get("attempt", -1))  # (absent in checkpoints of earlier versions)
 
     def report(self, restarts: int, lost_steps: int = 0, now: float | None = None) -> dict:
         wall = (now or time.time()) - self.run_start
@@ -89,12 +116,16 @@ class Attempts:
         self.path = None
         self._beating = None
 
-    def begin(self, resumed_from: int | None) -> int:
+    def begin(self, resumed_from: int | None, start: float | None = None) -> int:
+        """Called once the attempt is ready to train; `start` is when its process started, and
+        `startup` (seconds until now) stays in the record should it crash before committing."""
         n = len([k for k in self.storage.ls("attempts") if k.endswith(".json")])
         self.path = f"attempts/{n:04d}.json"
+        now = time.time()
         self.record = {
             "attempt": n,
-            "start": time.time(),
+            "start": start or now,
+            "startup": now - (start or now),
             "resumed_from": resumed_from,
             "step": resumed_from or 0,
             "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # elastic restart round

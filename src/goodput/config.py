@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
+from hydra.utils import instantiate
 from omegaconf import MISSING
 
 from goodput.checkpoint.config import CheckpointConfig
@@ -137,6 +138,10 @@ def validate(c: dict) -> None:
         augment.build(c["augment"], c["data"]["image_size"])
     except Exception as e:
         errors.append(f"augment: {e}")
+    try:  # the backend's constructor names a mistyped or unknown key (it takes no **kwargs)
+        instantiate(c["checkpoint"]["backend"])
+    except Exception as e:
+        errors.append(f"checkpoint.backend: {e}")
 
     tr, par = c["trainer"], c["parallel"]
     gbs, n = tr["global_batch_size"], par["nproc_per_node"]

@@ -19,7 +19,7 @@ import uuid
 from goodput.parallel import free_port
 from goodput.recovery import AgentPhases
 from goodput.signals import PREEMPT_SIGNALS
-from goodput.train import worker
+from goodput.worker import worker
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def preload_forkserver() -> None:
     process that owns the forkserver (the elastic agent's), before it first starts."""
     # MLflow's SQL store is imported on the first client (1.1 s on 2 cores): preload it too.
     multiprocessing.set_forkserver_preload(
-        ["goodput.forkserver_init", "torch", "goodput.train", "mlflow.store.tracking.sqlalchemy_store"]
+        ["goodput.forkserver_init", "torch", "goodput.worker", "mlflow.store.tracking.sqlalchemy_store"]
     )
 
 

@@ -194,7 +194,7 @@ def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
 
 
 def train(t) -> dict:
-    """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.train.Trainer."""
+    """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.build.Trainer."""
     cfg, d = t.cfg, t.dist
     max_steps = cfg["trainer"]["max_steps"]
     log_every = max(1, cfg["trainer"]["log_every_n_steps"])

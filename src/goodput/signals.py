@@ -13,7 +13,7 @@ import threading
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # Set while the loop runs: a helper *spawned* meanwhile (DCP's async-checkpoint daemon with
-# checkpoint.async_type=process) imports the entry script as __mp_main__, which then calls
+# checkpoint.backend.async_type=process) imports the entry script as __mp_main__, which then calls
 # obey_parent_only(). (A spawn child starts with an empty signal mask and default handlers.)
 HELPER_ENV = "GOODPUT_HELPER_IGNORES_PREEMPTION"
 

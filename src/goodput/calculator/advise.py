@@ -51,7 +51,7 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
     time also holds whatever the loop did outside its categories (logging, heartbeats), and start-up
     of the resumed attempt is booked as start-up, so both are estimates. When the attempt records are
     at hand (RUN given as a checkpoint dir), the restart cost is measured directly instead: from the
-    crashed attempt's last heartbeat to the next attempt's start, which is after its restore.
+    crashed attempt's last heartbeat to the moment the next attempt was ready to train (after its restore).
     """
     restarts = int(metrics.get("goodput/restarts", 0))
     out: dict[str, float | str] = {"restarts": restarts}
@@ -64,7 +64,12 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
         ledger = metrics.get("goodput/startup_seconds", 0.0) / (1 + restarts)
         source = "ledger: start-up seconds per attempt (no restarts: the crash-to-relaunch gap is missing)"
     out["restart_seconds_ledger"] = ledger
-    gaps = [b["start"] - a["last_seen"] for a, b in zip(records, records[1:]) if "last_seen" in a]
+    # `start` is when the attempt's process started, `startup` how long it took to be ready to train
+    gaps = [
+        b["start"] + b.get("startup", 0.0) - a["last_seen"]
+        for a, b in zip(records, records[1:])
+        if "last_seen" in a
+    ]
     if gaps:
         out["restart_seconds_attempts"] = out["restart_seconds"] = sum(gaps) / len(gaps)
         out["restart_source"] = f"attempt records: last heartbeat to the next attempt's start ({len(gaps)})"

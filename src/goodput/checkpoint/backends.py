@@ -173,9 +173,6 @@ class TorchSave:
     is_async = False
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-    def __init__(self, **_):
-        pass
-
     def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
         rank_key = f"rank{rank}"
         gathered = [None] * world if rank == 0 else None
@@ -221,9 +218,6 @@ class DCPSync:
     is_async = False
     options = StateDictOptions()
 
-    def __init__(self, **_):
-        pass
-
     def _writer(self, local_dir: str) -> FileSystemWriter:
         return FileSystemWriter(local_dir, sync_files=True, overwrite=False)
 
@@ -261,11 +255,13 @@ class DCPAsync(DCPSync):
     name = "dcp_async"
     is_async = True
 
-    def __init__(self, async_type: str = "thread", **_):
+    def __init__(self, async_type: str = "thread"):
+        """`async_type`: `thread` writes in a background thread (shares the GIL with the loop),
+        `process` in a daemon process (no GIL contention; a process and its start-up per job)."""
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if async_type not in ("thread", "process"):
-            raise ValueError(f"checkpoint.async_type must be 'thread' or 'process', got {async_type!r}")
+            raise ValueError(f"checkpoint.backend.async_type must be thread|process, got {async_type!r}")
         self.async_type = AsyncCheckpointerType(async_type)
         self._stager = None
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import MISSING
 
-from goodput.checkpoint.backends import BACKENDS
 from goodput.storage import check_url
 
 
@@ -14,10 +14,12 @@ from goodput.storage import check_url
 class CheckpointConfig:
     """Schema of the `checkpoint` group (read by goodput.checkpoint.CheckpointManager and the backend)."""
 
-    backend: str = MISSING
-    """How a rank writes its state: `torch_save` (rank 0 gathers and writes one file; simplest, slow
-    for big models), `dcp_sync` (every rank writes its shard; the loop waits for write + upload),
-    `dcp_async` (every rank writes its shard in the background; the loop waits only for the copy)."""
+    backend: Any = MISSING
+    """How a rank writes its state: a `_target_` node, built with hydra.utils.instantiate, one
+    option file each: `torch_save` (goodput.checkpoint.backends.TorchSave: rank 0 gathers and
+    writes one file; simplest, slow for big models), `dcp_sync` (DCPSync: every rank writes its
+    shard; the loop waits for write + upload), `dcp_async` (DCPAsync: every rank writes its shard
+    in the background; the loop waits only for the copy; its `async_type` is `thread` or `process`)."""
 
     dir: str = "${paths.checkpoint_dir}/${run.name}"
     """Where committed checkpoints live: a path or fsspec URL, shared by all nodes."""
@@ -38,10 +40,6 @@ class CheckpointConfig:
     """Committed checkpoints kept (the newest is never deleted). More = older fallbacks if the
     newest proves unreadable, at the cost of storage."""
 
-    async_type: str = "thread"
-    """dcp_async only: `thread` writes in a background thread (shares the GIL with the loop),
-    `process` in a daemon process (no GIL contention, a process and its start-up per job)."""
-
     on_error: str = "raise"
     """A save that fails: `raise` stops the run; `continue` logs it and trains on (the previous
     commit stays the newest, so a crash would lose more)."""
@@ -51,8 +49,8 @@ class CheckpointConfig:
 
     def __post_init__(self):
         e = []
-        if self.backend not in BACKENDS:
-            e.append(f"checkpoint.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if not (isinstance(self.backend, dict) and "_target_" in self.backend):
+            e.append(f"checkpoint.backend must be a node with a _target_ (a class), got {self.backend!r}")
         for key in ("every_n_steps", "every_n_minutes"):
             v = getattr(self, key)
             if v is not None and v <= 0:
@@ -62,8 +60,6 @@ class CheckpointConfig:
                 "checkpoint.keep_last must be >= 1 (the newest commit is never deleted), "
                 f"got {self.keep_last}"
             )
-        if self.async_type not in ("thread", "process"):
-            e.append(f"checkpoint.async_type must be thread|process, got {self.async_type!r}")
         if self.on_error not in ("raise", "continue"):
             e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
         if self.commit_timeout_s <= 0:

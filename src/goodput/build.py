@@ -1,0 +1,137 @@
+"""The components of a worker, each built from its own config node.
+
+Every function here takes the resolved config (a plain dict) and returns one component; `Trainer`
+holds what a rank trains with. Nothing here decides *when* anything happens: that is the worker's
+(goodput.worker), the loop's (goodput.loop) and the checkpoint manager's job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+
+from goodput.accounting import Attempts, Ledger
+from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.data import augment
+from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
+from goodput.fault import Faults
+from goodput.parallel import STRATEGIES
+from goodput.recovery import Recovery, agent_phases, restart_round
+from goodput.recovery import failure_time as recovery_failure_time
+from goodput.storage import Storage, StorageConfig
+from goodput.tracking import Tracker
+
+log = logging.getLogger("goodput")
+
+
+def storage_options(c: dict) -> StorageConfig:
+    return StorageConfig(**c["storage"])
+
+
+def storage(c: dict, root: str) -> Storage:
+    """The data root and the checkpoint dir are both opened through the `storage` node."""
+    return Storage(root, storage_options(c))
+
+
+def checkpoint_manager(c: dict, d=None, fault=None) -> CheckpointManager:
+    """The `checkpoint` node's manager and backend. Without `d` (the job process): rank 0 of 1, to
+    list and check the run's checkpoints before any worker starts."""
+    ck = c["checkpoint"]
+    rank, world, local_rank, pg = (d.rank, d.world, d.local_rank, d.ckpt_pg) if d else (0, 1, 0, None)
+    return CheckpointManager(
+        CheckpointConfig(**ck),
+        storage(c, ck["dir"]),
+        instantiate(ck["backend"]),
+        rank,
+        world,
+        local_rank,
+        pg=pg,
+        fault=fault,
+        commit_info={"config_hash": c.get("config_hash"), "mlflow_run_id": c.get("mlflow_run_id"),
+                     "run": c["run"]["name"]},
+    )  # fmt: skip
+
+
+class Trainer:
+    """Everything a rank trains with. Built twice only if a failed restore touched the state."""
+
+    def __init__(self, c: dict, d, recovery: Recovery | None = None):
+        self.cfg, self.dist = c, d
+        self.recovery = recovery or Recovery()
+        seed = c["seed"]
+        torch.manual_seed(seed)  # same initial weights on every rank
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        dc, tr = c["data"], c["trainer"]
+        data_cfg = DataConfig(**dc)
+        train_tf, eval_tf = augment.build(c["augment"], dc["image_size"])
+        data_store = storage(c, dc["root"])
+        self.loader = ResumableLoader(
+            data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device,
+            transform=train_tf,
+        )  # fmt: skip
+        local_bs = tr["global_batch_size"] // d.world
+        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device, eval_tf)
+        if self.val_loader.dataset.files.classes != self.loader.files.classes:
+            raise ValueError(
+                f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
+            )
+        self.recovery.mark("data_listed")
+
+        model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
+        self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
+        self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
+        self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
+        self.ledger = Ledger()
+        self.app = AppState(self.model, self.optimizer, d.rank)
+        self.app.register("data", self.loader)
+        self.app.register("scheduler", self.scheduler)
+        self.app.register("ledger", self.ledger)
+        self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
+
+        self.ckpt = checkpoint_manager(c, d)
+        self.ckpt_store = self.ckpt.storage
+        f = c["fault"]
+        self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
+        self.ckpt.fault = self.faults
+        self.attempts = Attempts(self.ckpt_store)
+        self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+        self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
+
+    def attempts_beat(self, step: int) -> None:
+        """The loop calls this after every step: the first one after a (re)start ends the recovery."""
+        if "first_step" not in self.recovery.marks:
+            self.recovery.mark("first_step")
+            if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
+                self.record_recovery(step)
+        if self.dist.rank == 0:
+            self.attempts.beat_async(step)
+
+    def record_recovery(self, step: int) -> None:
+        """Rank 0, once the first step after a restart is done: the restart's phase record goes to the
+        attempt record (the summary gathers them), to MLflow (recovery/*, step = restart number)."""
+        try:
+            n = self.attempts.record["attempt"]
+            prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
+            failure, source = recovery_failure_time(self.faults.fired(), prev)
+            rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
+                rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
+            self.attempts.record["recovery"] = rec
+            self.attempts.beat(step)
+            metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
+            if "total_seconds" in rec:
+                metrics["recovery/total_seconds"] = rec["total_seconds"]
+            self.tracker.log(metrics, n)
+            log.info("recovery %d: %s", n, json.dumps(rec["seconds"]))
+        except Exception as e:  # measuring must never stop training
+            log.warning("could not record the recovery phases: %s", e)
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.loader.close()

@@ -1,0 +1,140 @@
+"""Once per job, before any worker starts: check the config, take the run lock, create the demo
+data, open the MLflow run, and stop early if the run is already done.
+
+Under an external launcher (torchrun, srun) every rank runs this; only global rank 0 writes (demo
+data, overwrite, the MLflow run) and tells the others in goodput.worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from goodput import build
+from goodput.accounting import process_start
+from goodput.checkpoint.manager import config_hash
+from goodput.checkpoint.resume import explicit_checkpoint
+from goodput.config import validate
+from goodput.data.shards import ensure_packed, packed_root
+from goodput.data.synthetic import COMPLETE, make_dataset, read_record
+from goodput.lock import RunLock
+from goodput.tracking import flatten, source_tags, start_run
+
+log = logging.getLogger("goodput")
+
+
+class AlreadyDone(Exception):
+    pass
+
+
+def prepare(
+    cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
+) -> tuple[dict, RunLock | None]:
+    """Resolve and check the config, take the run lock, create demo data, open the MLflow run.
+    Returns the plain resolved config and the lock (held by rank 0's job process)."""
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
+        cfg.paths.root = os.path.abspath(str(cfg.paths.root))  # async daemons and workers need absolute paths
+    if multirun_suffix:
+        cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"  # each sweep job gets its own checkpoints
+    c = OmegaConf.to_container(cfg, resolve=True)
+    c["run_dir"] = run_dir
+    # The goodput ledger counts this launch from the process's start, imports included.
+    c["job_start"] = process_start()
+    validate(c)
+    leader = int(os.environ.get("RANK", "0")) == 0
+
+    if leader:
+        ensure_data(c)
+    mgr = build.checkpoint_manager(c)  # a view of the run's checkpoints from this process
+    committed = mgr.committed()
+    lock = None
+    if leader:
+        lock = RunLock(mgr.storage, c["run"]["lock_stale_seconds"])
+        lock.acquire()
+    try:
+        _prepare_run(c, mgr, committed, leader, choices)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return c, lock
+
+
+def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
+    resume, store = str(c["run"]["resume"]), mgr.storage
+    if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
+        explicit_checkpoint(mgr, resume)
+    if leader and resume == "none" and (committed or store.ls("attempts")):
+        if not c["run"]["overwrite"]:
+            raise FileExistsError(
+                f"run '{c['run']['name']}' already has checkpoints in {store.url()}; use run.resume=auto to "
+                f"continue it, run.overwrite=true to discard them, or another run.name"
+            )
+        log.warning("run.overwrite=true: discarding %s", store.url())
+        for name in store.ls():
+            if name != RunLock.NAME:
+                store.rm(name, recursive=True)
+        committed = []
+    if resume == "auto" and committed and committed[0]["step"] >= c["trainer"]["max_steps"]:
+        raise AlreadyDone(
+            f"run '{c['run']['name']}' already reached step {committed[0]['step']} "
+            f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
+            f"Checkpoint: {store.url(committed[0]['dir'])}"
+        )
+    previous_run_id = committed[0].get("mlflow_run_id") if committed and resume == "auto" else None
+    choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
+    params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})
+    params.update({f"choice.{k}": str(v) for k, v in choices.items()})
+    c["config_hash"] = config_hash(params)
+    c["mlflow_run_id"] = None
+    if not leader:
+        return
+    c["mlflow_run_id"] = start_run(
+        c["mlflow"]["tracking_uri"],
+        c["mlflow"]["experiment"],
+        c["run"]["name"],
+        params,
+        previous_run_id,
+        c["mlflow"]["artifact_location"],
+        tags=source_tags(sys.argv[0]),
+    )
+
+
+def ensure_data(c: dict) -> None:
+    dc = c["data"]
+    if not (dc["backend"] == "shards" and packed_root(dc["root"], build.storage_options(c)) == dc["root"]):
+        _ensure_imagefolder(c)  # (a root that already holds packed shards needs no ImageFolder)
+    ensure_packed(dc, build.storage_options(c))  # data=shards: pack once, before the ranks start
+
+
+def _ensure_imagefolder(c: dict) -> None:
+    root = c["data"]["root"]
+    if root == c["paths"]["data_dir"]:  # the demo data: generate it when it is missing
+        if read_record(root) is not None:
+            return
+        if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
+            log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
+        ds = c["dataset"]
+        log.info("demo data not found: generating it at %s", root)
+        n = make_dataset(
+            root, ds["num_classes"], ds["train_per_class"], ds["val_per_class"], ds["image_size"], ds["seed"]
+        )
+        log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
+        return
+    store = build.storage(c, root)
+    try:
+        present = store.exists("train")
+    except Exception as e:
+        raise FileNotFoundError(f"data.root {root} is unreachable: {e}") from e
+    if not present:
+        raise FileNotFoundError(
+            f"data.root {root} has no train/ folder. Point data.root at an ImageFolder dataset "
+            f"(train/<class>/*.jpg, val/<class>/*.jpg), or create demo data there with "
+            f"`python scripts/make_dataset.py --root {root}`"
+        )

@@ -1,0 +1,179 @@
+"""One rank of the job: build -> restore -> loop -> summary.
+
+goodput.launch runs `worker(c)` in every rank's process (in the job process itself when there is
+one rank and no restarts). `c` is the resolved config from goodput.job.prepare.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from goodput import loop
+from goodput.accounting import plot, process_start
+from goodput.build import Trainer
+from goodput.checkpoint.resume import resume
+from goodput.model import model_sha256
+from goodput.parallel import init_distributed, shutdown_distributed
+from goodput.recovery import Recovery, summarize
+from goodput.signals import PREEMPT_SIGNALS
+from goodput.storage import atomic_write
+
+log = logging.getLogger("goodput")
+
+
+def worker(c: dict) -> dict | None:
+    """One rank of the job. Returns the summary on rank 0."""
+    _process_defaults(c)
+    # Start-up counts from the job process's start (imports included); after an elastic restart,
+    # from this worker's: the gap since the crash is lost time.
+    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    t_start = c["job_start"] if first else process_start()
+    recovery = Recovery()
+    recovery.mark("imports_done")  # this module is imported before `worker` is called
+    d = init_distributed()
+    recovery.mark("pg_ready")
+    c = _rank0_view(c, d)
+    t, finished = None, False
+    try:
+        t = Trainer(c, d, recovery)
+        recovery.mark("built")
+        rec, touched = resume(t.ckpt, t.app, c["run"]["resume"])
+        recovery.mark("checkpoint_read")
+        if touched:  # a failed load may have written into the live state: rebuild it fresh
+            t.close()
+            t = Trainer(c, d, recovery)
+        restarts = begin_attempt(t, rec, t_start)
+        recovery.mark("ready")
+        result = loop.train(t)
+        result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
+        summary = write_summary(t, result, restarts) if d.rank == 0 else None
+        finished = True
+        return summary
+    except BaseException as e:
+        if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
+            fail_fast(e, t)
+        raise
+    finally:
+        if t is not None:
+            t.close()
+            t.tracker.close("FINISHED" if finished else "FAILED")
+        shutdown_distributed()
+
+
+def _process_defaults(c: dict) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in PREEMPT_SIGNALS:  # a worker from the forkserver inherits SIG_IGN (forkserver_init):
+            if signal.getsignal(sig) == signal.SIG_IGN:  # until the loop handles them, a stop
+                signal.signal(sig, signal.SIG_DFL)  # request ends the process, as it always did
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
+    torch.set_num_threads(c["trainer"]["num_threads"])
+    if c["trainer"]["deterministic"]:
+        torch.use_deterministic_algorithms(True)
+
+
+def _rank0_view(c: dict, d) -> dict:
+    if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
+        shared = [c["mlflow_run_id"], c["run_dir"]]
+        dist.broadcast_object_list(shared, src=0)
+        c = {**c, "mlflow_run_id": shared[0], "run_dir": shared[1]}
+    if d.rank != 0:  # rank hygiene: warnings and errors only
+        logging.getLogger().setLevel(logging.WARNING)
+    return c
+
+
+def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
+    """Record this start (rank 0) and settle the ledger: the wall clock runs from the run's first
+    start, and the start-up of every attempt the restored state does not hold (one that crashed
+    before it committed) is start-up, not unexplained loss. Returns the number of restarts so far."""
+    resumed = rec["step"] if rec else None
+    if rec:
+        t.ledger.resumed_from.append(rec["step"])
+    info = [0, t_start, 0.0]  # (restarts so far, the run's first start, uncounted start-ups)
+    if t.dist.rank == 0:
+        previous = t.attempts.previous()
+        uncounted = sum(a.get("startup", 0.0) for a in previous if a["attempt"] > t.ledger.attempt)
+        restarts = t.attempts.begin(resumed, start=t_start)
+        info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted]
+    if t.dist.world > 1:
+        dist.broadcast_object_list(info, src=0)
+    restarts, first_start, uncounted = info
+    f, seed = t.cfg["fault"], t.cfg["seed"]
+    t.faults.arm_random(f["mtbf_seconds"], f["max_kills"], seed, restarts)
+    t.faults.arm_chaos(f["chaos_p"], f["chaos_seed"], f["max_kills"], restarts)
+    if restarts:
+        t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
+    if rec is None:  # nothing restored: wall time still counts from the run's first attempt
+        t.ledger.run_start = first_start
+    t.ledger.attempt = restarts
+    t.ledger.add("startup", uncounted + time.time() - t_start)
+    return restarts
+
+
+def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
+    """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
+    c, run_dir = t.cfg, t.cfg["run_dir"]
+    t.attempts.beat(result["steps"])
+    goodput = t.ledger.report(restarts, t.attempts.lost_steps())
+    summary = {
+        **result,
+        "sample_order_sha256": t.loader.chain.hexdigest,
+        "restarts": restarts,
+        "resumed_from_steps": t.ledger.resumed_from,
+        "goodput": goodput,
+        "recovery": recovery_summary(t.attempts),
+        "mlflow_run_id": c["mlflow_run_id"],
+        "checkpoint_dir": t.ckpt_store.url(),
+        "last_committed_step": t.ckpt.last_committed_step,
+        "world_size": t.dist.world,
+        "config": {k: c[k] for k in ("checkpoint", "data", "parallel")},
+    }
+    atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=str).encode())
+    t.tracker.log({f"goodput/{k}": v for k, v in goodput.items()}, result["steps"])
+    t.tracker.log({"summary/val_accuracy": result["val_accuracy"] or 0.0}, result["steps"])
+    t.tracker.artifact(os.path.join(run_dir, "summary.json"))
+    plot(goodput, os.path.join(run_dir, "goodput.png"))
+    t.tracker.artifact(os.path.join(run_dir, "goodput.png"))
+    hydra_dir = os.path.join(run_dir, ".hydra")
+    if os.path.isdir(hydra_dir):
+        t.tracker.artifacts(hydra_dir, "hydra")
+    return summary
+
+
+def recovery_summary(attempts) -> dict:
+    """Every restart's phase record (from the attempt records) and their medians."""
+    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
+    per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
+    return {**summarize(per), "per_restart": per}
+
+
+def fail_fast(e: BaseException, t: Trainer | None) -> None:
+    """A rank that failed under the elastic agent (usually: a peer died in a collective) has one job
+    left: exit, because the agent restarts nobody until every rank of the group is gone. Python's
+    own teardown (DataLoader workers joined, prefetch threads drained) took 2-2.5 s on 2 cores, and
+    waiting for a checkpoint in flight can hang: its commit needs the dead peer (10 s, until the
+    SIGTERM grace ran out). A save that did not commit is cleaned up by the next attempt. So: flush
+    the MLflow queue (at most 2 s), leave the error file the agent reports (as torch's @record
+    would), and exit at once."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        log.error("rank failed, exiting for a restart: %r", e, exc_info=e)
+        if t is not None:
+            flush = threading.Thread(target=t.tracker.close, args=("FAILED",), daemon=True)
+            flush.start()
+            flush.join(timeout=2)
+        ErrorHandler().record_exception(e)
+    except BaseException as cleanup:
+        log.error("while failing: %r", cleanup)
+    finally:
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os._exit(1)
