@@ -35,7 +35,7 @@ def storage_options(c: dict) -> StorageConfig:
 
 def storage(c: dict, root: str) -> Storage:
     """The data root and the checkpoint dir are both opened through the `storage` node."""
-    return Storage(root, storage_options(c))
+    return instantiate(c["storage"])(root)
 
 
 def checkpoint_manager(c: dict, d=None, fault=None) -> CheckpointManager:

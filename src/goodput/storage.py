@@ -67,7 +67,12 @@ class InjectedFault(OSError):
 @dataclass
 class StorageConfig:
     """Schema of `storage`: emulation of the remote side (data root and checkpoint dir), so a laptop
-    shows what a network volume costs. On a real cluster leave latency and bandwidth at 0."""
+    shows what a network volume costs. On a real cluster leave latency and bandwidth at 0.
+    goodput.build opens the data root and the checkpoint dir through this node:
+    `instantiate(node)(root)`, so a `_target_` of your own (a Storage subclass) serves both."""
+
+    _target_: str = "goodput.storage.Storage"
+    _partial_: bool = True
 
     latency_ms: float = 0.0
     """Added to every remote operation (list, open, read, write). The demo uses 5 ms."""
@@ -119,10 +124,11 @@ class Storage:
 
     CHUNK = 1 << 20
 
-    def __init__(self, root: str, cfg: StorageConfig | None = None):
+    def __init__(self, root: str, cfg: StorageConfig | None = None, **options):
+        """`options`: the `storage` node's fields (see StorageConfig), as instantiate passes them."""
         check_url(root, "storage root")
         self.root = root.rstrip("/")
-        self.cfg = cfg or StorageConfig()
+        self.cfg = cfg or StorageConfig(**options)
         self._fs, self._base = url_to_fs(self.root)
         self._pid = os.getpid()
         self.local = is_local(self.root)

@@ -15,10 +15,15 @@ def _raise(errors: list[str]) -> None:
         raise ValueError("\n  - ".join(errors))
 
 
+# The options of data.backend; goodput.data.loader.SOURCES maps each to its class (a test checks
+# they agree; the classes import this module for their defaults, so it cannot import them).
+BACKENDS = ("cached", "remote", "shards")
+
+
 @dataclass
 class DataConfig:
     backend: str = MISSING
-    """Where sample bytes come from (one class per option in goodput.data.sources.SOURCES):
+    """Where sample bytes come from (one class per option: goodput.data.loader.SOURCES):
     `cached` = node-local cache of files + sampler-aware prefetch, `remote` = every read goes to the
     remote, `shards` = the dataset packed into tar shards, cached whole (packed on first use)."""
 
@@ -70,11 +75,9 @@ class DataConfig:
     of anywhere."""
 
     def __post_init__(self):
-        from goodput.data.sources import SOURCES  # sources takes its defaults from here
-
         e = []
-        if self.backend not in SOURCES:
-            e.append(f"data.backend must be one of {sorted(SOURCES)}, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            e.append(f"data.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
         if self.shuffle_block < 0:
             e.append(f"data.shuffle_block must be >= 0, got {self.shuffle_block}")
         if self.num_workers < 0:

@@ -17,11 +17,14 @@ from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data.config import DataConfig
 from goodput.data.dataset import FileList, ImageDataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
-from goodput.data.sources import SOURCES
+from goodput.data.shards import ShardOrder, ShardSource, open_packed
+from goodput.data.sources import CachedSource, RemoteSource
 from goodput.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
+
+SOURCES = {"remote": RemoteSource, "cached": CachedSource, "shards": ShardSource}  # data.backend
 
 
 class DatasetChangedError(IncompatibleCheckpoint):
@@ -50,8 +53,6 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
     """(source, file list) of one split for `cfg.backend`; shards read the packed dataset."""
     kw = dict(cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit)
     if cfg.backend == "shards":
-        from goodput.data.shards import open_packed
-
         packed, files = open_packed(storage, split)
         return SOURCES["shards"](packed, files=files, **kw), files
     return SOURCES[cfg.backend](storage, **kw), FileList(storage, split, cfg.cache_dir)
@@ -60,8 +61,6 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
 def make_order(cfg: DataConfig, files, global_batch_size: int, seed: int) -> GlobalOrder:
     if cfg.backend != "shards":
         return GlobalOrder(len(files), global_batch_size, seed)
-    from goodput.data.shards import ShardOrder
-
     order = ShardOrder(files, global_batch_size, seed, cfg.shuffle_block)
     if cfg.cache_limit is not None:
         # A window of steps touches at most two blocks of shards (one at an epoch's or block's edge).

@@ -1,7 +1,7 @@
 """Where sample bytes come from: `remote` (every read hits the remote) or `cached` (node-local cache).
 
-A source is what `data.backend` selects: one class per option, same three methods, so the
-dataset and the loop never ask which one they have.
+A source is what `data.backend` selects (goodput.data.loader.SOURCES; shards: goodput.data.shards):
+one class per option, same methods, so the dataset and the loop never ask which one they have.
 """
 
 from __future__ import annotations
@@ -208,12 +208,3 @@ class CachedSource:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
-
-def _shards(storage: Storage, **kw):
-    from goodput.data.shards import ShardSource  # imports this module: late
-
-    return ShardSource(storage, **kw)
-
-
-SOURCES = {"remote": RemoteSource, "cached": CachedSource, "shards": _shards}

@@ -1,0 +1,169 @@
+"""Components from their own config nodes; the code's shape (no import cycles, a key to its use in a
+few hops); the ledger's start-up across attempts. All in-process."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from goodput import build
+from goodput.accounting import Attempts, Ledger, process_start
+from goodput.checkpoint.backends import DCPAsync, DCPSync
+from goodput.config import ConfigError, validate
+from goodput.data.config import BACKENDS
+from goodput.data.loader import SOURCES
+from goodput.storage import Storage
+from goodput.worker import begin_attempt
+
+SRC = REPO / "src"
+IMPORTED = time.time()  # this test module is imported long after the pytest process started
+
+
+def _config(tmp_path, overrides=()) -> dict:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root={tmp_path}", *overrides])
+    c = OmegaConf.to_container(cfg, resolve=True)
+    c["run_dir"] = str(tmp_path / "run")
+    return c
+
+
+class TaggedStorage(Storage):
+    """A user's own storage class, selected by `storage._target_`."""
+
+
+def test_storage_node_opens_the_data_root_and_the_checkpoint_dir(tmp_path):
+    c = _config(tmp_path, ["storage.latency_ms=3", "checkpoint=dcp_sync"])
+    c["storage"]["_target_"] = f"{__name__}.TaggedStorage"
+    data = build.storage(c, c["data"]["root"])
+    mgr = build.checkpoint_manager(c)
+    for store in (data, mgr.storage):
+        assert type(store) is TaggedStorage and store.cfg.latency_ms == 3
+    assert mgr.storage.root == c["checkpoint"]["dir"] and data.root == c["data"]["root"]
+    assert type(mgr.backend) is DCPSync
+
+
+def test_the_backend_node_is_its_constructor(tmp_path):
+    c = _config(tmp_path, ["checkpoint.backend.async_type=process"])
+    backend = build.checkpoint_manager(c).backend
+    assert type(backend) is DCPAsync and backend.async_type.value == "process"
+    # A typo inside the node is not swallowed: the constructor takes no **kwargs.
+    c["checkpoint"]["backend"]["asyn_type"] = "thread"
+    with pytest.raises(ConfigError, match="asyn_type"):
+        validate(c)
+
+
+def test_every_data_backend_has_its_class():
+    assert set(BACKENDS) == set(SOURCES)
+
+
+# -- shape of the code -------------------------------------------------------------------------
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in (SRC / "goodput").rglob("*.py"):
+        parts = list(p.relative_to(SRC).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Every `goodput` import, function-level ones included: the module graph has no cycle."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("goodput"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    deps.add(sub if sub in mods else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("goodput")}
+        graph[name] = {d for d in deps if d in mods and d != name}
+
+    def reaches(start, goal, seen):
+        for nxt in graph[start]:
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    cycles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def _readers(key: str, attribute: bool = True) -> set[str]:
+    """Modules that read `key` as a subscript (`node["key"]`) or, optionally, an attribute (`cfg.key`)."""
+    out = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (attribute and isinstance(node, ast.Attribute) and node.attr == key) or (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.slice, ast.Constant)
+                and node.slice.value == key
+            ):
+                out.add(name)
+    return out
+
+
+def test_a_key_reaches_where_it_acts_in_three_hops():
+    """checkpoint.every_n_steps: YAML -> build.checkpoint_manager (passes the node whole) -> the
+    manager's `due()`. data.root: YAML -> job.ensure_data (demo data; the shards packer) or
+    build.Trainer -> Storage. Nothing else reads them, so no path doubles back."""
+    assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
+    src = (SRC / "goodput" / "build.py").read_text()
+    assert "CheckpointConfig(**ck)" in src and 'ck = c["checkpoint"]' in src
+    # node["root"]: the job, the builder, the packer (called by the job); storage's own pickled state.
+    assert _readers("root", attribute=False) == {
+        "goodput.job",
+        "goodput.build",
+        "goodput.data.shards",
+        "goodput.storage",
+    }
+
+
+# -- the ledger's start-up -----------------------------------------------------------------------
+def test_process_start_includes_the_imports():
+    psutil = pytest.importorskip("psutil")
+    start = process_start()
+    assert start < IMPORTED  # before this module (and torch, hydra, mlflow) was imported
+    assert abs(start - psutil.Process().create_time()) < 0.05
+
+
+def _trainer(store, ledger: Ledger, rank: int = 0):
+    return SimpleNamespace(
+        dist=SimpleNamespace(rank=rank, world=1),
+        attempts=Attempts(store),
+        ledger=ledger,
+        cfg={"fault": {"mtbf_seconds": None, "max_kills": 0, "chaos_p": 0.0, "chaos_seed": 0}, "seed": 0},
+        faults=SimpleNamespace(arm_random=lambda *a: None, arm_chaos=lambda *a: None),
+        tracker=SimpleNamespace(set_tags=lambda tags: None),
+    )
+
+
+def test_a_crash_before_the_first_commit_keeps_every_start_up(tmp_path):
+    store = Storage(str(tmp_path))
+    now = time.time()
+    # Attempt 0's process started 4 s ago; it is ready now, and crashes before its first commit.
+    t0 = _trainer(store, Ledger())
+    assert begin_attempt(t0, None, now - 4) == 0
+    assert t0.attempts.record["startup"] == pytest.approx(4.0, abs=0.5)
+    t0.attempts.beat(7)
+    # Attempt 1 restores nothing, starts 2 s before now: its ledger holds both start-ups.
+    t1 = _trainer(store, Ledger())
+    assert begin_attempt(t1, None, now - 2) == 1
+    assert t1.ledger.run_start == pytest.approx(now - 4)  # wall time from the first start
+    assert t1.ledger.totals["startup"] == pytest.approx(4.0 + 2.0, abs=0.5)
+    saved = t1.ledger.state_dict()  # attempt 1 commits...
+    t1.attempts.record.update(startup=2.0)
+    t1.attempts.beat(20)
+    # ...and crashes; attempt 2 restores attempt 1's commit: attempt 0's start-up is not added twice.
+    t2 = _trainer(store, Ledger())
+    t2.ledger.load_state_dict(saved)
+    assert begin_attempt(t2, {"step": 10}, time.time() - 1) == 2
+    assert t2.ledger.totals["startup"] == pytest.approx(saved["totals"]["startup"] + 1.0, abs=0.5)
