@@ -229,7 +229,7 @@ def stage_s3(a, root: str, ep: S3Endpoint, work: str) -> dict:
     import s3fs
     from streaming import MDSWriter
 
-    from goodput.data.dataset import FileList
+    from goodput.data.dataset import ImageFolder
     from goodput.data.shards import pack
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
@@ -247,7 +247,7 @@ def stage_s3(a, root: str, ep: S3Endpoint, work: str) -> dict:
     train = idx["splits"]["train"]
     log("writing MDS shards (MosaicML Streaming) ...")
     mds = os.path.join(work, "mds")
-    files = FileList(src, "train")
+    files = ImageFolder(src, "train")
     with MDSWriter(out=mds, columns={"image": "bytes", "label": "int"}, size_limit=shard_bytes) as w:
         for rel, label in zip(files.files, files.labels):
             w.write({"image": src.read_bytes(rel), "label": label})

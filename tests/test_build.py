@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -18,7 +19,9 @@ from goodput.accounting import Attempts, Ledger, process_start
 from goodput.checkpoint.backends import DCPAsync, DCPSync
 from goodput.config import ConfigError, validate
 from goodput.data.config import BACKENDS
+from goodput.data.dataset import CsvManifest, DataRootError, ImageFolder
 from goodput.data.loader import SOURCES
+from goodput.data.synthetic import make_dataset
 from goodput.storage import Storage
 from goodput.worker import begin_attempt
 
@@ -167,3 +170,53 @@ def test_a_crash_before_the_first_commit_keeps_every_start_up(tmp_path):
     t2.ledger.load_state_dict(saved)
     assert begin_attempt(t2, {"step": 10}, time.time() - 1) == 2
     assert t2.ledger.totals["startup"] == pytest.approx(saved["totals"]["startup"] + 1.0, abs=0.5)
+
+
+# -- a dataset class by _target_ -------------------------------------------------------------------
+def _flatten_to_manifest(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """The ImageFolder at `src` as a flat folder of images plus `<split>.csv` manifests, in the
+    ImageFolder's order: the same samples under other names, labels only in the manifest."""
+    (dst / "pics").mkdir(parents=True)
+    for split in ("train", "val"):
+        folder = ImageFolder(Storage(str(src)), split)
+        rows = ["path,label"]
+        for i, (rel, label) in enumerate(zip(folder.files, folder.labels)):
+            name = f"pics/{split}-{i:05d}.jpg"
+            (dst / name).write_bytes((src / rel).read_bytes())
+            rows.append(f"{name},{folder.classes[label]}")
+        (dst / f"{split}.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_csv_manifest_lists_what_it_names(tmp_path):
+    make_dataset(str(tmp_path / "folder"), 3, 4, 2, 16, 0)
+    _flatten_to_manifest(tmp_path / "folder", tmp_path / "csv")
+    store = Storage(str(tmp_path / "csv"))
+    a, b = ImageFolder(Storage(str(tmp_path / "folder")), "train"), CsvManifest(store, "train")
+    assert b.labels == a.labels and b.classes == a.classes and b.sizes == a.sizes
+    assert b.files[0] == "pics/train-00000.jpg" and b.fingerprint != a.fingerprint
+    CsvManifest.check_root(store)
+    for text, error in [
+        ("path,label\npics/train-00000.jpg\n", "row 1: expected `path,label`"),
+        ("pics/nope.jpg,circle\n", "missing file(s), e.g. pics/nope.jpg"),
+        ("path,label\n", "lists no samples"),
+    ]:
+        (tmp_path / "csv" / "train.csv").write_text(text)
+        with pytest.raises(DataRootError, match=re.escape(error)):
+            CsvManifest(store, "train")
+    with pytest.raises(FileNotFoundError, match=r"has no labels-train\.csv"):
+        CsvManifest.check_root(store, manifest="labels-{split}.csv")
+
+
+@pytest.mark.slow
+def test_a_dataset_class_by_target_on_the_entry_point(tmp_path, smoke_reference):
+    """The README's example: the smoke data laid out flat with CSV manifests trains the same model,
+    bit for bit, as the ImageFolder it came from (sample i is the same image)."""
+    make_dataset(str(tmp_path / "folder"), 10, 20, 4, 16, 0)  # the smoke experiment's demo data
+    _flatten_to_manifest(tmp_path / "folder", tmp_path / "csv")
+    _, s = run_train(
+        tmp_path / "run",
+        f"data.root={tmp_path / 'csv'}",
+        "data.dataset._target_=goodput.data.dataset.CsvManifest",
+        "checkpoint=dcp_sync",
+    )
+    assert s["model_sha256"] == smoke_reference("dcp_sync")["model_sha256"]

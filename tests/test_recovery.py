@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_train
 
-from goodput.data.dataset import DataRootError, FileList
+from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize
 from goodput.storage import Storage
 
@@ -84,7 +84,7 @@ def test_listing_is_reused_only_by_restarts_of_the_same_elastic_job(tmp_path, mo
     store, cache = Storage(str(tmp_path / "data")), str(tmp_path / "cache")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    first = FileList(store, "train", cache)  # lists the remote and keeps the listing
+    first = ImageFolder(store, "train", cache)  # lists the remote and keeps the listing
     assert os.listdir(os.path.join(cache, "listings"))
 
     def no_remote(*a, **k):
@@ -93,16 +93,16 @@ def test_listing_is_reused_only_by_restarts_of_the_same_elastic_job(tmp_path, mo
     monkeypatch.setattr(store, "find", no_remote)
     monkeypatch.setattr(store, "ls", no_remote)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    again = FileList(store, "train", cache)  # an elastic restart: no remote listing
+    again = ImageFolder(store, "train", cache)  # an elastic restart: no remote listing
     assert (again.files, again.labels, again.classes, again.sizes, again.fingerprint) == (
         first.files, first.labels, first.classes, first.sizes, first.fingerprint
     )  # fmt: skip
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job lists the remote again
     with pytest.raises(AssertionError, match="the remote was listed"):
-        FileList(store, "train", cache)
+        ImageFolder(store, "train", cache)
     monkeypatch.undo()
     with pytest.raises(DataRootError, match="no files under"):  # errors unchanged
-        FileList(Storage(str(tmp_path / "empty")), "train", cache)
+        ImageFolder(Storage(str(tmp_path / "empty")), "train", cache)
 
 
 @pytest.mark.slow

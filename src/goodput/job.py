@@ -12,6 +12,7 @@ import os
 import re
 import sys
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from goodput import build
@@ -109,11 +110,11 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
 def ensure_data(c: dict) -> None:
     dc = c["data"]
     if not (dc["backend"] == "shards" and packed_root(dc["root"], build.storage_options(c)) == dc["root"]):
-        _ensure_imagefolder(c)  # (a root that already holds packed shards needs no ImageFolder)
+        _ensure_dataset(c)  # (a root that already holds packed shards needs no dataset to pack)
     ensure_packed(dc, build.storage_options(c))  # data=shards: pack once, before the ranks start
 
 
-def _ensure_imagefolder(c: dict) -> None:
+def _ensure_dataset(c: dict) -> None:
     root = c["data"]["root"]
     if root == c["paths"]["data_dir"]:  # the demo data: generate it when it is missing
         if read_record(root) is not None:
@@ -127,14 +128,7 @@ def _ensure_imagefolder(c: dict) -> None:
         )
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
         return
-    store = build.storage(c, root)
-    try:
-        present = store.exists("train")
-    except Exception as e:
-        raise FileNotFoundError(f"data.root {root} is unreachable: {e}") from e
-    if not present:
-        raise FileNotFoundError(
-            f"data.root {root} has no train/ folder. Point data.root at an ImageFolder dataset "
-            f"(train/<class>/*.jpg, val/<class>/*.jpg), or create demo data there with "
-            f"`python scripts/make_dataset.py --root {root}`"
-        )
+    node = c["data"]["dataset"]
+    get_class(node["_target_"]).check_root(
+        build.storage(c, root), **{k: v for k, v in node.items() if k != "_target_"}
+    )

@@ -3,7 +3,8 @@ generated demo data). Defaults live here, once; `conf/data/*.yaml` only say what
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -31,6 +32,12 @@ class DataConfig:
     """The dataset: a path or fsspec URL (s3://bucket/prefix, gs://..., memory://...) holding
     `train/<class>/<image>` and `val/<class>/<image>`. The default is the generated demo data
     (created on first use)."""
+
+    dataset: Any = field(default_factory=lambda: {"_target_": "goodput.data.dataset.ImageFolder"})
+    """The class that lists a split's samples (files under `root`, labels, class names), built with
+    hydra.utils.instantiate: `goodput.data.dataset.ImageFolder` (`<split>/<class>/<image>`),
+    `goodput.data.dataset.CsvManifest` (`<split>.csv` rows of `path,label`; option `manifest`), or
+    a class of your own with the same attributes (see ImageFolder). Samples are decoded as images."""
 
     cache_dir: str = "${paths.cache_dir}"
     """Node-local cache (cached backend): put it on the fastest local disk. Shared by every rank
@@ -78,6 +85,8 @@ class DataConfig:
         e = []
         if self.backend not in BACKENDS:
             e.append(f"data.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if not (isinstance(self.dataset, dict) and "_target_" in self.dataset):
+            e.append(f"data.dataset must be a node with a _target_ (a class), got {self.dataset!r}")
         if self.shuffle_block < 0:
             e.append(f"data.shuffle_block must be >= 0, got {self.shuffle_block}")
         if self.num_workers < 0:

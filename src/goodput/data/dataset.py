@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import logging
@@ -9,6 +10,8 @@ import os
 import tempfile
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
@@ -28,8 +31,15 @@ class DataRootError(FileNotFoundError):
     """The dataset root, a split or a class folder is missing or empty."""
 
 
-class FileList:
-    """The sorted (path, label) listing of one split: `<root>/<split>/<class>/<file>`."""
+class ImageFolder:
+    """The samples of one split, `<root>/<split>/<class>/<image>`: the default `data.dataset`.
+
+    A dataset class (the `data.dataset` node's `_target_`) is called with the data root's storage,
+    the split (`train` or `val`), the node cache dir and the node's other keys, and lists the split:
+    `files` (paths under the root, in a fixed order), `labels` (ints, one per file), `sizes` (bytes,
+    one per file), `classes` (names; label i is classes[i]); `_index()` sets them and the
+    `fingerprint`. Sample i is files[i]: the order, augmentation seeds and checkpoints refer to it.
+    See CsvManifest for a second layout."""
 
     def __init__(self, storage: Storage, split: str, cache_dir: str | None = None):
         listing = _ListingCache(storage, split, cache_dir)
@@ -61,25 +71,97 @@ class FileList:
             dirs = sorted(n for n, size in storage.ls(split).items() if size == -1) if storage.local else []
             listing.save(found, dirs)
         classes_on_disk |= set(dirs)
-        self.classes = sorted(classes_on_disk)
-        if not self.classes:
+        classes = sorted(classes_on_disk)
+        if not classes:
             raise DataRootError(f"no class folders under {storage.url(split)}")
-        self.files: list[str] = []
-        self.labels: list[int] = []
-        for label, cls in enumerate(self.classes):
+        files: list[str] = []
+        labels: list[int] = []
+        for label, cls in enumerate(classes):
             imgs = [r for r in by_class.get(cls, []) if r.lower().endswith(IMAGE_EXTENSIONS)]
             others = [r for r in by_class.get(cls, []) if not r.lower().endswith(IMAGE_EXTENSIONS)]
             if others:
                 log.warning("ignoring %d non-image file(s) in %s, e.g. %s", len(others), cls, others[0])
             if not imgs:
                 raise DataRootError(f"class folder {storage.url(split + '/' + cls)} holds no images")
-            self.files += [f"{split}/{r}" for r in imgs]
-            self.labels += [label] * len(imgs)
-        self.sizes = [found[r.split("/", 1)[1]] for r in self.files]
+            files += [f"{split}/{r}" for r in imgs]
+            labels += [label] * len(imgs)
+        self._index(files, labels, [found[r.split("/", 1)[1]] for r in files], classes)
+
+    @classmethod
+    def check_root(cls, storage: Storage, **options) -> None:
+        """Called once per job, before any worker starts, with the `data.dataset` node's options:
+        fail fast when the root cannot hold this dataset. Cheap on purpose (no listing)."""
+        try:
+            present = storage.exists("train")
+        except Exception as e:
+            raise FileNotFoundError(f"data.root {storage.root} is unreachable: {e}") from e
+        if not present:
+            raise FileNotFoundError(
+                f"data.root {storage.root} has no train/ folder. Point data.root at an ImageFolder dataset "
+                f"(train/<class>/*.jpg, val/<class>/*.jpg), or create demo data there with "
+                f"`python scripts/make_dataset.py --root {storage.root}`, or set data.dataset"
+            )
+
+    def _index(self, files: list[str], labels: list[int], sizes: list[int], classes: list[str]) -> None:
+        self.files, self.labels, self.sizes, self.classes = files, labels, sizes, classes
+        # Names the file list (a checkpoint's data position refers to it; MLflow's dataset digest).
         self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.files)
+
+
+def open_dataset(node: dict | None, storage: Storage, split: str, cache_dir: str | None = None):
+    """The `data.dataset` node's class (default ImageFolder) listing `split`, built with instantiate.
+    A listing error (DataRootError naming the file, a storage error) reaches the caller as itself,
+    not wrapped in Hydra's InstantiationException."""
+    node = node or {"_target_": f"{__name__}.ImageFolder"}
+    try:
+        return instantiate(node, storage=storage, split=split, cache_dir=cache_dir)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, OSError):  # DataRootError is a FileNotFoundError
+            raise e.__cause__ from None
+        raise
+
+
+class CsvManifest(ImageFolder):
+    """Samples listed in `<root>/<split>.csv` (name set by `manifest`), one `path,label` row each:
+    `path` relative to the root, `label` a class name; a header row `path,label` is skipped.
+    Classes are the sorted label names, samples are in the manifest's order (sort it once; a changed
+    order is a changed dataset). Sizes come from one listing of each top-level folder the manifest
+    names. Select it with `data.dataset._target_=goodput.data.dataset.CsvManifest`."""
+
+    def __init__(self, storage: Storage, split: str, cache_dir: str | None = None, manifest="{split}.csv"):
+        name = manifest.format(split=split)
+        try:
+            text = storage.read_bytes(name).decode()
+        except FileNotFoundError as e:
+            raise DataRootError(f"no manifest {storage.url(name)} (data.dataset.manifest={manifest})") from e
+        rows = [r for r in csv.reader(text.splitlines()) if r and r != ["path", "label"]]
+        bad = next((i for i, r in enumerate(rows) if len(r) != 2 or not r[0] or not r[1]), None)
+        if bad is not None:
+            raise DataRootError(f"{storage.url(name)} row {bad + 1}: expected `path,label`, got {rows[bad]}")
+        if not rows:
+            raise DataRootError(f"{storage.url(name)} lists no samples")
+        classes = sorted({label for _, label in rows})
+        found: dict[str, int] = {}
+        for top in sorted({path.split("/", 1)[0] for path, _ in rows if "/" in path}):
+            found.update({f"{top}/{rel}": n for rel, n in storage.find(top).items()})
+        missing = [path for path, _ in rows if path not in found]
+        if missing:
+            raise DataRootError(
+                f"{storage.url(name)} names {len(missing)} missing file(s), e.g. {missing[0]}"
+            )
+        files = [path for path, _ in rows]
+        self._index(files, [classes.index(label) for _, label in rows], [found[f] for f in files], classes)
+
+    @classmethod
+    def check_root(cls, storage: Storage, manifest="{split}.csv") -> None:
+        name = manifest.format(split="train")
+        if not storage.exists(name):
+            raise FileNotFoundError(
+                f"data.root {storage.root} has no {name} (data.dataset.manifest={manifest})"
+            )
 
 
 class _ListingCache:
@@ -134,7 +216,7 @@ class ImageDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         source,
-        files: FileList,
+        files: ImageFolder,
         image_size: int,
         seed: int,
         train: bool,

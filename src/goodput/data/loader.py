@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data.config import DataConfig
-from goodput.data.dataset import FileList, ImageDataset
+from goodput.data.dataset import ImageDataset, open_dataset
 from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
 from goodput.data.shards import ShardOrder, ShardSource, open_packed
 from goodput.data.sources import CachedSource, RemoteSource
@@ -55,7 +55,8 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
     if cfg.backend == "shards":
         packed, files = open_packed(storage, split)
         return SOURCES["shards"](packed, files=files, **kw), files
-    return SOURCES[cfg.backend](storage, **kw), FileList(storage, split, cfg.cache_dir)
+    files = open_dataset(cfg.dataset, storage, split, cfg.cache_dir)
+    return SOURCES[cfg.backend](storage, **kw), files
 
 
 def make_order(cfg: DataConfig, files, global_batch_size: int, seed: int) -> GlobalOrder:

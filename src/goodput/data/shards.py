@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-from goodput.data.dataset import FileList
+from goodput.data.dataset import ImageFolder, open_dataset
 from goodput.data.sampler import GlobalOrder, _mix
 from goodput.data.sources import CachedSource
 from goodput.storage import Storage, StorageConfig
@@ -62,9 +62,9 @@ def _tar(members: list[tuple[str, bytes]]) -> tuple[bytes, list[tuple[int, int]]
 
 
 def _pack_split(
-    src: Storage, dst: Storage, split: str, shard_bytes: int, pool
-) -> tuple[FileList, list, list]:
-    files = FileList(src, split)
+    src: Storage, dst: Storage, split: str, shard_bytes: int, pool, dataset: dict | None
+) -> tuple[ImageFolder, list, list]:
+    files = open_dataset(dataset, src, split)
     shards: list[dict] = []
     samples: list[list[int]] = []
     group: list[tuple[int, str, bytes]] = []
@@ -89,13 +89,19 @@ def _pack_split(
     return files, shards, samples
 
 
-def pack(src: Storage, dst: Storage, shard_bytes: int = DEFAULT_SHARD_BYTES, threads: int = 16) -> dict:
-    """Pack the ImageFolder at `src` into shards at `dst`; index.json last, so a crash mid-way
-    leaves no dataset that looks complete. Returns the index."""
+def pack(
+    src: Storage,
+    dst: Storage,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    threads: int = 16,
+    dataset: dict | None = None,
+) -> dict:
+    """Pack the dataset at `src` (listed by the `data.dataset` node; default ImageFolder) into shards
+    at `dst`; index.json last, so a crash mid-way leaves no dataset that looks complete. Returns the index."""
     index: dict = {"format": FORMAT, "shard_bytes": shard_bytes, "splits": {}}
     with ThreadPoolExecutor(threads) as pool:
         for split in ("train", "val"):
-            files, shards, samples = _pack_split(src, dst, split, shard_bytes, pool)
+            files, shards, samples = _pack_split(src, dst, split, shard_bytes, pool, dataset)
             index.setdefault("classes", files.classes)
             if files.classes != index["classes"]:
                 raise ValueError(f"{split}/ classes {files.classes} differ from train/ {index['classes']}")
@@ -130,14 +136,14 @@ def ensure_packed(data_cfg: dict, storage_cfg: StorageConfig | None = None) -> N
         return
     log.info("packing %s into shards at %s (once) ...", data_cfg["root"], dst_url)
     t0 = time.time()
-    idx = pack(Storage(data_cfg["root"], storage_cfg), dst)
+    idx = pack(Storage(data_cfg["root"], storage_cfg), dst, dataset=data_cfg.get("dataset"))
     n = {s: len(v["shards"]) for s, v in idx["splits"].items()}
     log.info("packed %s shards in %.1fs", n, time.time() - t0)
 
 
 # -- reading -----------------------------------------------------------------------------------
 class ShardFileList:
-    """The FileList of a packed split: same attributes (files, labels, sizes, classes, fingerprint),
+    """The ImageFolder of a packed split: same attributes (files, labels, sizes, classes, fingerprint),
     plus where each sample lives (`where[rel] = (shard, offset, size)`) and the shard table."""
 
     def __init__(self, storage: Storage, split: str):
@@ -157,7 +163,7 @@ class ShardFileList:
         self.where = {rel: (names[k], off, n) for rel, (k, off, n) in zip(self.files, s["samples"])}
         self.sizes = [n for _, _, n in s["samples"]]
         self.shard_bytes = max(sh["bytes"] for sh in self.shards)
-        # Same as FileList's on the same data, so a checkpoint moves between backends.
+        # Same as ImageFolder's on the same data, so a checkpoint moves between backends.
         self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
