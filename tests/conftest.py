@@ -118,11 +118,11 @@ def final_checkpoint_state(ckpt_dir) -> tuple[str, str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from goodput.checkpoint.backends import SafeFileSystemReader
+    from goodput.checkpoint.layout import local_commits
     from goodput.checkpoint.state import decode
     from goodput.model import SmallCNN, model_sha256
 
-    steps = sorted(p for p in Path(ckpt_dir).glob("step-*") if (p / "COMMIT.json").exists())
-    newest = steps[-1]
+    newest = Path(local_commits(ckpt_dir)[-1][1])
     if (newest / "state.pt").exists():
         full = torch.load(newest / "state.pt", weights_only=True)
         model_sd, data = full["model"], decode(full["extra"]["data"])

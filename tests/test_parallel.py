@@ -64,11 +64,12 @@ def final_weights(ckpt_dir) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from goodput.checkpoint.backends import SafeFileSystemReader
+    from goodput.checkpoint.layout import local_commits
 
-    steps = sorted(p for p in Path(ckpt_dir).glob("step-*") if (p / "COMMIT.json").exists())
-    if (steps[-1] / "state.pt").exists():
-        return torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
-    reader = SafeFileSystemReader(str(steps[-1]))
+    newest = Path(local_commits(ckpt_dir)[-1][1])
+    if (newest / "state.pt").exists():
+        return torch.load(newest / "state.pt", weights_only=True)["model"]
+    reader = SafeFileSystemReader(str(newest))
     md = reader.read_metadata().state_dict_metadata
     sd = {
         k: torch.empty(m.size, dtype=m.properties.dtype)

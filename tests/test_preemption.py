@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_train, start_train, train_cmd
 
+from goodput.checkpoint.layout import local_commits
+
 pytestmark = pytest.mark.slow
 
 # Workers and prefetch threads running, and enough steps that the signal lands mid-run.
@@ -22,9 +24,7 @@ EXTRA = ("data.num_workers=2", "trainer.max_steps=40")
 
 
 def committed_steps(root: Path) -> list[int]:
-    return sorted(
-        int(p.parent.name.split("-")[1]) for p in (root / "checkpoints").glob("**/step-*/COMMIT.json")
-    )
+    return sorted(step for d, _, _ in os.walk(root / "checkpoints") for step, _ in local_commits(d))
 
 
 def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float = 240, group: bool = True):

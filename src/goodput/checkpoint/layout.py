@@ -18,6 +18,7 @@ untrusted input: names are checked before they become local paths.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 from goodput.storage import CHECKSUM
@@ -44,6 +45,17 @@ def parse_step(name: str) -> int | None:
     if name.startswith("step-") and name[5:].isdigit():
         return int(name[5:])
     return None
+
+
+def local_commits(ckpt_dir) -> list[tuple[int, str]]:
+    """(step, path) of each step dir with a COMMIT.json under a local `ckpt_dir`, oldest first. For
+    scripts and tests looking at a finished run; it does not check the record (parse_commit does)."""
+    out = []
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+        step = parse_step(name)
+        if step is not None and os.path.isfile(os.path.join(ckpt_dir, name, COMMIT)):
+            out.append((step, os.path.join(ckpt_dir, name)))
+    return sorted(out)
 
 
 def check_file_name(name: object) -> str:
