@@ -10,13 +10,12 @@ import errno
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from goodput.data.config import DataConfig
-from goodput.storage import Storage
+from goodput.storage import Storage, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +110,10 @@ class CachedSource:
         return data, len(data)
 
     def _store(self, rel: str, data: bytes) -> None:
-        dst = self.local_path(rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".fill-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, dst)  # atomic: readers see nothing or the whole file
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        # Readers (other ranks, workers) see nothing or the whole file. Not durable: a cache fill
+        # needs atomic visibility only (a killed process's written pages reach the disk anyway),
+        # and a disk flush per sample costs ~10x the write (0.5 ms against 0.05 ms per 16 KiB here).
+        atomic_write(self.local_path(rel), data, durable=False)
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
         path = self.local_path(rel)
