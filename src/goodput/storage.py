@@ -374,8 +374,8 @@ def atomic_file(path: str, mode: str = "wb", durable: bool = True) -> Iterator[I
 
     `durable`: fsync the file before the rename and the directory after it, so the new content
     survives a power loss or kernel crash, not only a killed process (whose written pages the
-    kernel keeps either way). Costs a disk flush per file: what is committed or reported needs it,
-    a cache that is refilled from the source when in doubt does not."""
+    kernel keeps either way). Costs a disk flush per file (~10x a small write): what is committed
+    or reported needs it; a download checked against its checksum, or a node-local cache, may not."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
     d = os.path.dirname(path) or "."

@@ -110,9 +110,11 @@ class CachedSource:
         return data, len(data)
 
     def _store(self, rel: str, data: bytes) -> None:
-        # Readers (other ranks, workers) see nothing or the whole file. Not durable: a cache fill
-        # needs atomic visibility only (a killed process's written pages reach the disk anyway),
-        # and a disk flush per sample costs ~10x the write (0.5 ms against 0.05 ms per 16 KiB here).
+        # Readers (other ranks, workers) see nothing or the whole file, even when the filler is
+        # killed (its written pages stay in the kernel). Not durable, as before: a disk flush per
+        # sample costs ~10x the write (0.5 ms against 0.05 ms per 16 KiB here); the price is that
+        # a power loss or kernel crash can leave a just-renamed fill empty: clear the node cache
+        # after a node crash.
         atomic_write(self.local_path(rel), data, durable=False)
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
