@@ -15,7 +15,7 @@ import torch
 from goodput.data.loader import DataConfig, ResumableLoader
 from goodput.data.shards import INDEX, ShardFileList, ShardOrder, ShardSource, ensure_packed, pack
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage, StorageConfig
+from goodput.storage import TEMP_PREFIX, Storage, StorageConfig
 
 STEPS = 12  # 8 per step over 48 samples: two epochs
 SHARD_BYTES = 3000  # a handful of samples per shard at 16 px
@@ -158,7 +158,7 @@ def test_killed_shard_fill_never_serves_a_partial_shard(packed, tmp_path):
         p.join()
     src = ShardSource(Storage(packed), str(tmp_path), files=files)
     served = [n for _, _, ns in os.walk(src.dir) for n in ns if n.endswith(".tar") and not n.startswith(".")]
-    leftovers = [n for _, _, ns in os.walk(src.dir) for n in ns if n.startswith(".fill-")]
+    leftovers = [n for _, _, ns in os.walk(src.dir) for n in ns if n.startswith(TEMP_PREFIX)]
     assert served or leftovers  # the drill did exercise the cache
     truth = Storage(packed)
     for name in shards:

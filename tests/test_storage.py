@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
 
-from goodput.storage import Storage, StorageConfig, StorageError, file_digest
+from goodput.storage import (
+    TEMP_PREFIX,
+    Storage,
+    StorageConfig,
+    StorageError,
+    atomic_file,
+    atomic_write,
+    file_digest,
+)
 
 
 def test_local_roundtrip_and_listing(tmp_path):
@@ -22,7 +32,7 @@ def test_local_roundtrip_and_listing(tmp_path):
         str(tmp_path / "r" / "a" / "b.bin")
     )
     assert (tmp_path / "out" / "b.bin").read_bytes() == b"x" * 10
-    assert not list((tmp_path / "r" / "a").glob("*.tmp*"))  # no temp files left behind
+    assert not list((tmp_path / "r" / "a").glob(f"{TEMP_PREFIX}*"))  # no temp files left behind
     s.rm("a", recursive=True)
     assert s.ls("") == {}
 
@@ -63,3 +73,80 @@ def test_bad_config_and_protocol():
         StorageConfig(latency_ms=-1)
     with pytest.raises(ValueError, match="unknown storage protocol 'bogus://'"):
         Storage("bogus://x")
+
+
+# -- one atomic write -------------------------------------------------------------------------
+def test_atomic_file_failure_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    p = tmp_path / "f.json"
+    atomic_write(str(p), "old")
+    with pytest.raises(RuntimeError), atomic_file(str(p)) as f:
+        f.write(b"new, half")
+        raise RuntimeError("the writer failed midway")
+    assert p.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+
+    def full(a, b):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)  # the rename itself fails
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(str(p), b"new")
+    monkeypatch.undo()
+    assert p.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+    with pytest.raises(ValueError, match="mode"):
+        atomic_file(str(p), "a").__enter__()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(p).st_mode & 0o777 == 0o666 & ~umask  # as open() makes it (mkstemp: 0o600)
+
+
+def test_readers_never_see_a_half_written_file(tmp_path):
+    p, n = str(tmp_path / "big.bin"), 1 << 20
+    old, new = b"a" * n, b"b" * n
+    atomic_write(p, old)
+    seen, writing, done = [], threading.Event(), threading.Event()
+
+    def reader():
+        while not done.is_set():
+            with open(p, "rb") as f:
+                data = f.read()
+            seen.append((writing.is_set(), data in (old, new), len(data)))
+
+    r = threading.Thread(target=reader)
+    r.start()
+    with atomic_file(p) as f:
+        writing.set()
+        for i in range(0, n, 1 << 14):  # 64 pieces with pauses: readers poll in between
+            f.write(new[i : i + (1 << 14)])
+            f.flush()
+            time.sleep(0.002)
+    done.set()
+    r.join()
+    assert all(whole for _, whole, _ in seen), [size for _, whole, size in seen if not whole][:5]
+    assert sum(during for during, _, _ in seen) > 10  # the reader did poll while the write ran
+    assert (tmp_path / "big.bin").read_bytes() == new
+
+
+def test_concurrent_writers_get_their_own_temp_file(tmp_path):
+    p = str(tmp_path / "same.bin")
+    both_inside, temps, errors = threading.Barrier(2, timeout=10), [], []
+
+    def write(byte: bytes):
+        try:
+            with atomic_file(p) as f:
+                f.write(byte * 100_000)
+                both_inside.wait()  # both temp files exist now
+                temps.append(sorted(n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)))
+                f.write(byte * 100_000)
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=write, args=(b,)) for b in (b"x", b"y")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    assert all(len(names) == 2 for names in temps)  # two writers, two temp names
+    # one whole file: the last one renamed
+    assert (tmp_path / "same.bin").read_bytes() in (b"x" * 200_000, b"y" * 200_000)
+    assert os.listdir(tmp_path) == ["same.bin"]

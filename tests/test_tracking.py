@@ -1,8 +1,11 @@
-"""MLflow run metadata: the dataset (Dataset column) and the source (entry point, git commit)."""
+"""MLflow: the run's metadata (dataset, source) and metric logging that never waits for the store."""
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
+import threading
+import time
 
 from conftest import REPO
 from mlflow.tracking import MlflowClient
@@ -34,3 +37,58 @@ def test_no_commit_outside_a_repository(tmp_path):
     tags = source_tags(str(tmp_path / "train.py"))
     assert tags["mlflow.source.name"] == str(tmp_path / "train.py")
     assert "mlflow.source.git.commit" not in tags
+
+
+def _blocked_store(t: Tracker, release: threading.Event):
+    """Make the tracker's store block every write until `release` is set; returns the list of
+    completed writes (metric counts) and an event set once a write is under way."""
+    real, writes, entered = t.client.log_batch, [], threading.Event()
+    deadline = time.monotonic() + 10  # a synchronous log() would sit here 10 s, then fail the test
+
+    def log_batch(run_id, metrics=(), **kw):
+        entered.set()
+        release.wait(max(0.0, deadline - time.monotonic()))
+        real(run_id, metrics=metrics, **kw)
+        writes.append(len(metrics))
+
+    t.client.log_batch = log_batch
+    return writes, entered
+
+
+def test_logging_never_waits_for_the_store_and_close_delivers_everything(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, "e", "r", {}, None, str(tmp_path / "art"))
+    t = Tracker(uri, run_id, enabled=True)
+    release = threading.Event()
+    writes, entered = _blocked_store(t, release)
+    t.log({"loss": 0.0}, 0)
+    assert entered.wait(10)  # the first write is inside the store, which holds it
+    for step in range(1, 100):  # the loop goes on while the store is blocked
+        t.log({"loss": float(step), "lr": 0.1}, step)
+    assert not release.is_set() and writes == []  # every log() returned, no write has finished
+    release.set()
+    t.close()
+    assert sum(writes) == 1 + 99 * 2
+    history = MlflowClient(uri).get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(100)]
+    assert len(MlflowClient(uri).get_metric_history(run_id, "lr")) == 99
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_locked_store_is_retried_not_dropped(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, "e", "r", {}, None, str(tmp_path / "art"))
+    t = Tracker(uri, run_id, enabled=True)
+    real, failures = t.client.log_batch, [2]
+
+    def log_batch(*a, **kw):  # what parallel jobs on one SQLite file answer now and then
+        if failures[0]:
+            failures[0] -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return real(*a, **kw)
+
+    t.client.log_batch = log_batch
+    t.log({"loss": 1.5}, 7)
+    t.close()
+    assert failures == [0]
+    assert [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [(7, 1.5)]

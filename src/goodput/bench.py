@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from goodput.parallel import LAUNCHER_ENV, free_port  # noqa: F401  (free_port: re-exported for the bench scripts)
+from goodput.storage import atomic_file
 
 
 def machine_info() -> dict:
@@ -100,11 +101,8 @@ def target_line(t: dict) -> str:
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_file(str(path), "w") as f:
         json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def bar_chart(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
-import threading
+import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import IO
 
 import fsspec
 import xxhash
@@ -264,7 +266,7 @@ class Storage:
         def _write():
             self._transfer(len(data))
             if self.local:
-                _atomic_write_local(self._path(rel), data)
+                atomic_write(self._path(rel), data)
             else:
                 self.fs.pipe_file(self._path(rel), data)
 
@@ -277,20 +279,9 @@ class Storage:
 
         def _put():
             self._transfer(size)
-            if self.local:
-                dst = self._path(rel)
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                tmp = f"{dst}.tmp{os.getpid()}.{threading.get_ident()}"
-                try:
-                    with open(local_path, "rb") as src, open(tmp, "wb") as out:
-                        t = _copy_hashing(src, out, self.CHUNK)
-                        out.flush()
-                        os.fsync(out.fileno())
-                    os.replace(tmp, dst)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                return t
+            if self.local:  # durable: a commit record will point at this file
+                with open(local_path, "rb") as src, atomic_file(self._path(rel)) as out:
+                    return _copy_hashing(src, out, self.CHUNK)
             with open(local_path, "rb") as src, self.fs.open(self._path(rel), "wb") as out:
                 return _copy_hashing(src, out, self.CHUNK)
 
@@ -313,19 +304,14 @@ class Storage:
     def get(self, rel: str, local_path: str) -> Transfer:
         """Download to local_path via a temp file + rename (a crash never leaves a partial file),
         hashing the bytes as they arrive, so they can be verified before anything reads them."""
-        os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
 
         def _get():
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local_path) or ".", prefix=".part-")
-            try:
-                with os.fdopen(fd, "wb") as out, self.fs.open(self._path(rel), "rb") as src:
-                    t = _copy_hashing(src, out, self.CHUNK)
+            # Not durable: a download is a copy, checked against its checksum as it arrives and
+            # fetched again by the next restore; a disk flush per file would only slow restores.
+            with atomic_file(local_path, durable=False) as out, self.fs.open(self._path(rel), "rb") as src:
+                t = _copy_hashing(src, out, self.CHUNK)
                 self._transfer(t.size)
-                os.replace(tmp, local_path)
-                return t
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            return t
 
         return self._retry(f"download {self.url(rel)}", _get)
 
@@ -380,17 +366,46 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write_local(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "wb") as f:
+TEMP_PREFIX = ".part-"
+"""Name prefix of a file being written by `atomic_file` (hidden; the cache's scan skips it)."""
+
+
+@contextmanager
+def atomic_file(path: str, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+    """Write a local file so that no reader ever sees it half-written: yields an open file on a
+    unique temp name in the same directory; a clean exit flushes it and renames it over `path`
+    (readers see the old file or the new one, never a prefix); an exception removes the temp file
+    and leaves `path` as it was. Concurrent writers each get their own temp name; the last rename
+    wins whole.
+
+    `durable`: fsync the file before the rename and the directory after it, so the new content
+    survives a power loss or kernel crash, not only a killed process (whose written pages the
+    kernel keeps either way). Costs a disk flush per file (~10x a small write): what is committed
+    or reported needs it; a download checked against its checksum, or a node-local cache, may not."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}")
+    # O_EXCL: never shares a name with another writer; 0o666 & umask, as open() would (mkstemp's
+    # 0o600 would survive the rename and hide the file from other users).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(d)
+
+
+def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
+    """`atomic_file` for content already in memory."""
+    with atomic_file(path, "wb" if isinstance(data, bytes | bytearray | memoryview) else "w", durable) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Local file: temp + fsync + rename + fsync(dir)."""
-    _atomic_write_local(path, data)

@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 
 import torch
 from hydra.errors import InstantiationException
@@ -16,7 +15,7 @@ from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
 from goodput.data.sampler import sample_seed
-from goodput.storage import Storage
+from goodput.storage import Storage, atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +195,10 @@ class _ListingCache:
         if self.path is None or not found:
             return
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".listing-")
-            with os.fdopen(fd, "w") as f:
+            # Atomic: the other ranks of the node write the same listing. Not durable: a listing
+            # lost to a power cut is listed again.
+            with atomic_file(self.path, "w", durable=False) as f:
                 json.dump({"job": self.job, "root": self.root, "found": found, "dirs": dirs}, f)
-            os.replace(tmp, self.path)  # atomic: the other ranks of the node write the same listing
         except OSError as e:
             log.debug("could not cache the listing of %s: %s", self.root, e)
 

@@ -10,13 +10,12 @@ import errno
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from goodput.data.config import DataConfig
-from goodput.storage import Storage
+from goodput.storage import Storage, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +110,12 @@ class CachedSource:
         return data, len(data)
 
     def _store(self, rel: str, data: bytes) -> None:
-        dst = self.local_path(rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst), prefix=".fill-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, dst)  # atomic: readers see nothing or the whole file
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        # Readers (other ranks, workers) see nothing or the whole file, even when the filler is
+        # killed (its written pages stay in the kernel). Not durable, as before: a disk flush per
+        # sample costs ~10x the write (0.5 ms against 0.05 ms per 16 KiB here); the price is that
+        # a power loss or kernel crash can leave a just-renamed fill empty: clear the node cache
+        # after a node crash.
+        atomic_write(self.local_path(rel), data, durable=False)
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
         path = self.local_path(rel)
