@@ -66,6 +66,11 @@ def test_multirun_sweep_makes_two_runs(tmp_path):
     assert {r.info.run_id for r in runs} == ids and len(ids) == 2
     # each sweep job has its own checkpoints: the second job must not resume the first one's
     assert sorted(os.listdir(tmp_path / "checkpoints" / "smoke")) == ["seed=1", "seed=2"]
+    # The jobs run one after the other in one process: the second one's clock starts at its own
+    # start, not at the process's (which would charge it the whole first job). The first job's
+    # wall time also holds the imports and the demo data it generated.
+    job = {("seed=1" in f): json.loads(Path(f).read_text())["goodput"] for f in summaries}
+    assert job[False]["wall_seconds"] < job[True]["wall_seconds"]
 
 
 def test_relaunch_of_finished_run_says_so_and_exits_0(tmp_path):

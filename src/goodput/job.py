@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -26,6 +27,9 @@ from goodput.lock import RunLock
 from goodput.tracking import flatten, source_tags, start_run
 
 log = logging.getLogger("goodput")
+
+
+_STARTED: list[float] = []  # the jobs this process prepared
 
 
 class AlreadyDone(Exception):
@@ -45,8 +49,10 @@ def prepare(
         cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"  # each sweep job gets its own checkpoints
     c = OmegaConf.to_container(cfg, resolve=True)
     c["run_dir"] = run_dir
-    # The goodput ledger counts this launch from the process's start, imports included.
-    c["job_start"] = process_start()
+    # The goodput ledger counts this launch from the process's start, imports included; the later
+    # jobs of a sweep run in the same process (Hydra's basic launcher), each from its own start.
+    c["job_start"] = process_start() if not _STARTED else time.time()
+    _STARTED.append(c["job_start"])
     validate(c)
     leader = int(os.environ.get("RANK", "0")) == 0
 
@@ -116,9 +122,7 @@ def ensure_data(c: dict) -> None:
 
 def _ensure_dataset(c: dict) -> None:
     root = c["data"]["root"]
-    if root == c["paths"]["data_dir"]:  # the demo data: generate it when it is missing
-        if read_record(root) is not None:
-            return
+    if root == c["paths"]["data_dir"] and read_record(root) is None:  # the demo data: generate it
         if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
         ds = c["dataset"]
@@ -127,8 +131,6 @@ def _ensure_dataset(c: dict) -> None:
             root, ds["num_classes"], ds["train_per_class"], ds["val_per_class"], ds["image_size"], ds["seed"]
         )
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
-        return
-    node = c["data"]["dataset"]
-    get_class(node["_target_"]).check_root(
-        build.storage(c, root), **{k: v for k, v in node.items() if k != "_target_"}
-    )
+    node = c["data"]["dataset"]  # the dataset class checks its root (cheaply) before any worker starts
+    options = {k: v for k, v in node.items() if k != "_target_"}
+    get_class(node["_target_"]).check_root(build.storage(c, root), **options)

@@ -30,6 +30,8 @@ import time
 
 from torch.distributed.elastic import metrics
 
+from goodput.accounting import process_start
+
 log = logging.getLogger(__name__)
 
 PHASES = (
@@ -51,18 +53,6 @@ AGENT_FILE = "elastic/agent_phases.jsonl"
 
 def restart_round() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def process_start_time() -> float | None:
-    """This process's start (fork or exec) in epoch seconds, from /proc (10 ms resolution)."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
-        return None
 
 
 class AgentPhases(metrics.MetricHandler):
@@ -126,9 +116,7 @@ class Recovery:
 
     def __init__(self):
         self.marks: dict[str, float] = {}
-        start = process_start_time()
-        if start is not None:
-            self.marks["process_started"] = start
+        self.marks["process_started"] = process_start()  # fork or exec, as the kernel recorded it
 
     def mark(self, phase: str) -> None:
         self.marks.setdefault(phase, time.time())

@@ -73,9 +73,6 @@ class StorageConfig:
     goodput.build opens the data root and the checkpoint dir through this node:
     `instantiate(node)(root)`, so a `_target_` of your own (a Storage subclass) serves both."""
 
-    _target_: str = "goodput.storage.Storage"
-    _partial_: bool = True
-
     latency_ms: float = 0.0
     """Added to every remote operation (list, open, read, write). The demo uses 5 ms."""
 
@@ -91,6 +88,10 @@ class StorageConfig:
 
     backoff_s: float = 0.05
     """First wait between attempts; doubles each retry, with full jitter."""
+
+    # Last, so StorageConfig(latency_ms, bandwidth_mb_s) stays positional-compatible.
+    _target_: str = "goodput.storage.Storage"
+    _partial_: bool = True
 
     def __post_init__(self):
         for name in ("latency_ms", "bandwidth_mb_s"):
