@@ -185,6 +185,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
     from torchvision.io import ImageReadMode, decode_image
 
     from goodput.data import augment
+    from goodput.data.dataset import seeded
     from goodput.data.sampler import sample_seed
 
     class Images(StreamingDataset):
@@ -193,9 +194,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
             img = decode_image(
                 torch.frombuffer(bytearray(s["image"]), dtype=torch.uint8), mode=ImageReadMode.RGB
             )
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(sample_seed(a.seed, 0, idx))
-                x = self.tf(img)
+            x = seeded(self.tf, img, sample_seed(a.seed, 0, idx))  # as ImageDataset does
             return {"image": x, "label": s["label"]}
 
     def make():
