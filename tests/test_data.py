@@ -304,3 +304,12 @@ def test_seeded_transform_matches_torch_manual_seed_and_restores_the_rng():
         assert torch.equal(seeded(tf, img, seed), want)
         assert torch.equal(torch.get_rng_state(), state)
     assert not torch.equal(seeded(tf, img, 1), seeded(tf, img, 2))
+
+
+def test_s3_missing_object_is_file_not_found(data_root, s3_bucket):
+    """A missing key reads as FileNotFoundError through either client (the shards backend falls
+    back to `<root>-shards` on it, the dataset names the file)."""
+    url = f"s3://{s3_bucket}/shapes"
+    _upload(data_root, url)
+    with pytest.raises(FileNotFoundError):
+        Storage(url).read_bytes("train/no-such-file.jpg")
