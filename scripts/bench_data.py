@@ -1,4 +1,4 @@
-"""Data-loading benchmark: the project's ResumableLoader on an emulated remote, remote vs cached.
+"""Data-loading benchmark: the project's ResumableLoader, emulated remote and through a real S3 API.
 
     python scripts/bench_data.py                          # 10 classes x 2000 JPEGs at 64px, 30 steps a row
     python scripts/bench_data.py --latency-ms 30 --bandwidth-mb-s 50 --compute-ms 100
@@ -12,6 +12,14 @@ Per row: images/s, mean seconds blocked in next(loader) per step, share of the t
 Rows are medians of --repeats, interleaved (remote, cold, warm, floor, remote, ...) so drift in a
 noisy machine hits all rows alike. Then the cached-cold row is swept over prefetch_steps x
 prefetch_threads (one run per cell) to show what to set.
+
+S3 rows (--s3, the honest section): the same loaders through moto's S3 server behind a proxy that
+adds latency and caps bandwidth per connection (goodput.bench.S3Endpoint), per-file before/after
+("old client"), data=shards, and MosaicML Streaming over MDS shards of the same data as the
+reference (pip install -e '.[bench]'). Per row also: requests and connections at the proxy, client
+CPU per image, and the endpoint's own CPU (it shares the machine's cores).
+
+    python scripts/bench_data.py --no-emulated --repeats 3 --s3-rows cached,shards,mosaic
 """
 
 from __future__ import annotations
