@@ -1,4 +1,4 @@
-"""Data-loading benchmark: the project's ResumableLoader on an emulated remote, remote vs cached.
+"""Data-loading benchmark: the project's ResumableLoader, emulated remote and through a real S3 API.
 
     python scripts/bench_data.py                          # 10 classes x 2000 JPEGs at 64px, 30 steps a row
     python scripts/bench_data.py --latency-ms 30 --bandwidth-mb-s 50 --compute-ms 100
@@ -12,6 +12,14 @@ Per row: images/s, mean seconds blocked in next(loader) per step, share of the t
 Rows are medians of --repeats, interleaved (remote, cold, warm, floor, remote, ...) so drift in a
 noisy machine hits all rows alike. Then the cached-cold row is swept over prefetch_steps x
 prefetch_threads (one run per cell) to show what to set.
+
+S3 rows (--s3, the honest section): the same loaders through moto's S3 server behind a proxy that
+adds latency and caps bandwidth per connection (goodput.bench.S3Endpoint), per-file before/after
+("old client"), data=shards, and MosaicML Streaming over MDS shards of the same data as the
+reference (pip install -e '.[bench]'). Per row also: requests and connections at the proxy, client
+CPU per image, and the endpoint's own CPU (it shares the machine's cores).
+
+    python scripts/bench_data.py --no-emulated --repeats 3 --s3-rows cached,shards,mosaic
 """
 
 from __future__ import annotations
@@ -118,6 +126,7 @@ def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
     exclude = [ep.proc.pid] if ep else []
     if ep:
         ep.reset()
+        ep_cpu0 = ep.cpu_s()
     cpu0, t_build = process_cpu_s(exclude), time.perf_counter()
     it, close, hit_rate = make()
     build_s = time.perf_counter() - t_build
@@ -146,6 +155,11 @@ def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
         counts = ep.counts()
         r["requests"] = sum(counts.values())
         r["requests_by_method"] = counts
+        r["connections"] = ep.connections()
+        # The endpoint (moto + proxy) shares this machine's cores with the client: its CPU is time
+        # the client's decode does not get, and it is what caps the per-file rows here.
+        r["endpoint_cpu_s"] = ep.cpu_s() - ep_cpu0
+        r["endpoint_cpu_share"] = r["endpoint_cpu_s"] / (total + build_s)
     return r
 
 
@@ -185,6 +199,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
     from torchvision.io import ImageReadMode, decode_image
 
     from goodput.data import augment
+    from goodput.data.dataset import seeded
     from goodput.data.sampler import sample_seed
 
     class Images(StreamingDataset):
@@ -193,9 +208,7 @@ def mosaic(a, remote: str, local: str, steps: int, samples_per_shard: int):
             img = decode_image(
                 torch.frombuffer(bytearray(s["image"]), dtype=torch.uint8), mode=ImageReadMode.RGB
             )
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(sample_seed(a.seed, 0, idx))
-                x = self.tf(img)
+            x = seeded(self.tf, img, sample_seed(a.seed, 0, idx))  # as ImageDataset does
             return {"image": x, "label": s["label"]}
 
     def make():
@@ -454,7 +467,8 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
         f"shuffle_block={a.shuffle_block}), MDS shards: {staged.get('mds_shards', '-')} at the same size "
         f"limit. "
         f"Requests are counted at the proxy, from building the loader (listing, index) to closing it; "
-        f"CPU is this process and its DataLoader workers over the same span:\n\n"
+        f"client CPU is this process and its DataLoader workers over the same span; endpoint CPU is "
+        f"moto's and the proxy's process, in cores busy over the row (it shares this machine):\n\n"
         + markdown_table(
             [
                 "row",
@@ -464,6 +478,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                 "requests",
                 "requests / 1k images",
                 "client CPU ms / image",
+                "endpoint CPU, cores",
                 "vs Mosaic",
             ],
             [
@@ -475,6 +490,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                     int(r["requests"]),
                     r["requests_per_1k_images"],
                     r["cpu_ms_per_image"],
+                    r["endpoint_cpu_share"],
                     r["vs_mosaic"],
                 ]
                 for r in rows

@@ -136,6 +136,11 @@ def test_bench_data_smoke(tmp_path):
     assert s3["s3 remote"]["requests_by_method"].get("HEAD", 0) == 0
     assert s3["s3 cached cold (old client)"]["requests_by_method"].get("HEAD", 0) > 0
     assert s3["s3 cached warm"]["requests"] <= 5  # listings only
+    # Each file fetched once: a worker that reaches a file the prefetch is fetching waits for it.
+    assert s3["s3 cached cold"]["requests"] <= files + 5
+    for r in s3.values():
+        assert (r["connections"] > 0) == (r["requests"] > 0) and r["endpoint_cpu_s"] >= 0, r["row"]
+    assert positive(s3["s3 remote"]["endpoint_cpu_s"])  # ~100 requests: some clock ticks at least
     assert s3["s3 shards cold"]["requests"] <= report["s3_staged"]["shards_per_epoch"] + 3
     assert s3["s3 shards warm"]["requests"] <= 2  # index.json
     assert len(report["targets"]) == 3 + (2 if mosaic else 0)

@@ -139,7 +139,8 @@ def test_eviction_respects_budget_and_lookahead(data_root, tmp_path):
     protect = set(files[:5])  # oldest files, but inside the look-ahead window
     src._last_scan = 0
     src._maybe_evict(protect)
-    left = {os.path.relpath(os.path.join(r, n), src.dir) for r, _, ns in os.walk(src.dir) for n in ns}
+    walk = ((r, n) for r, _, ns in os.walk(src.dir) for n in ns if not n.startswith(".lock-"))
+    left = {os.path.relpath(os.path.join(r, n), src.dir) for r, n in walk}  # the fill lock is no sample
     assert sum(sizes[f] for f in left) <= budget
     assert protect <= left
     assert not set(files[5:15]) & left  # the least recently used outside the window went first
@@ -243,3 +244,72 @@ def test_s3_reads_use_obstore_in_the_owning_process_and_s3fs_after_fork(data_roo
     p.join(30)
     assert p.exitcode == 0
     assert q.get(timeout=1) == ("s3fs", len(data))
+
+
+class _SlowStorage(Storage):
+    """Counts remote reads across processes; each takes 0.5 s, and says when one has started."""
+
+    def __init__(self, root, reads, started):
+        super().__init__(root)
+        self.reads, self.started = reads, started
+
+    def read_bytes(self, rel):
+        with self.reads.get_lock():
+            self.reads.value += 1
+        self.started.set()
+        time.sleep(0.5)
+        return super().read_bytes(rel)
+
+
+def _read_in_worker(src, rel, q):
+    data, hit, fetched = src.read(rel)
+    q.put((data, hit, fetched))
+
+
+def test_worker_waits_for_the_prefetch_fill_instead_of_a_second_get(data_root, tmp_path):
+    """A DataLoader worker that reaches a file the prefetch threads are fetching waits for that
+    fill: one remote read in all, and the worker gets the whole file."""
+    ctx = mp.get_context("fork")
+    reads, started = ctx.Value("i", 0), ctx.Event()
+    store = _SlowStorage(data_root, reads, started)
+    rel = "train/" + sorted(Storage(data_root).find("train"))[0]
+    src = CachedSource(store, str(tmp_path))
+    src.prefetch([rel], set())
+    assert started.wait(10)  # the prefetch thread is inside its fill now
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_worker, args=(src, rel, q))  # forked as DataLoader workers are
+    p.start()
+    data, hit, fetched = q.get(timeout=30)
+    p.join(10)
+    src.close()
+    assert data == Storage(data_root).read_bytes(rel)
+    assert (hit, fetched) == (False, 0)  # not in the cache when asked, but not fetched again
+    assert reads.value == 1
+
+
+def test_seeded_transform_matches_torch_manual_seed_and_restores_the_rng():
+    """The per-sample seeding seeds the CPU generator only: the same augmentation as
+    torch.manual_seed gave (checkpoints and hash chains of earlier runs stay valid), and the
+    global RNG stream is untouched afterwards."""
+    from goodput.data import augment
+    from goodput.data.dataset import seeded
+
+    tf = augment.build(None, 16)[0]
+    img = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8)
+    for seed in (0, 7, 2**40 + 3):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            want = tf(img)
+        state = torch.get_rng_state()
+        assert torch.equal(seeded(tf, img, seed), want)
+        assert torch.equal(torch.get_rng_state(), state)
+    assert not torch.equal(seeded(tf, img, 1), seeded(tf, img, 2))
+
+
+def test_s3_missing_object_is_file_not_found(data_root, s3_bucket):
+    """A missing key reads as FileNotFoundError through either client (the shards backend falls
+    back to `<root>-shards` on it, the dataset names the file)."""
+    url = f"s3://{s3_bucket}/shapes"
+    _upload(data_root, url)
+    with pytest.raises(FileNotFoundError):
+        Storage(url).read_bytes("train/no-such-file.jpg")

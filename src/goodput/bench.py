@@ -197,11 +197,14 @@ def _s3_server_main(conn, latency_ms: float, bandwidth_mb_s: float, max_connecti
     server.start()
     up_host, up_port = server.get_host_and_port()
     counts: dict[str, int] = {}
+    conns = [0]  # connections accepted: a client that reuses connections opens few
     lock = threading.Lock()
     slots = threading.BoundedSemaphore(max_connections)
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self):
+            with lock:
+                conns[0] += 1
             with slots:  # bounded: at most max_connections proxied at once
                 up = socket.create_connection((up_host, up_port))
                 for s in (self.request, up):
@@ -216,9 +219,14 @@ def _s3_server_main(conn, latency_ms: float, bandwidth_mb_s: float, max_connecti
                 t.join()
                 up.close()
 
-    socketserver.ThreadingTCPServer.daemon_threads = True
-    socketserver.ThreadingTCPServer.allow_reuse_address = True
-    proxy = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    class Server(socketserver.ThreadingTCPServer):
+        daemon_threads = allow_reuse_address = True
+        # socketserver's default backlog is 5: a burst of new connections (moto's server closes
+        # each one after its response, so every request is a new connection) overflowed it and
+        # the kernel dropped SYNs, which clients resend only after 1 s. A real endpoint does not.
+        request_queue_size = 1024
+
+    proxy = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     conn.send(f"http://127.0.0.1:{proxy.server_address[1]}")
     while True:
@@ -226,9 +234,13 @@ def _s3_server_main(conn, latency_ms: float, bandwidth_mb_s: float, max_connecti
         if cmd == "counts":
             with lock:
                 conn.send(dict(counts))
+        elif cmd == "connections":
+            with lock:
+                conn.send(conns[0])
         elif cmd == "reset":
             with lock:
                 counts.clear()
+                conns[0] = 0
             conn.send(True)
         else:
             break
@@ -262,6 +274,18 @@ class S3Endpoint:
 
     def counts(self) -> dict[str, int]:
         self._conn.send("counts")
+        return self._conn.recv()
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the endpoint's process has used so far."""
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+    def connections(self) -> int:
+        """TCP connections accepted since the last reset."""
+        self._conn.send("connections")
         return self._conn.recv()
 
     def reset(self) -> None:

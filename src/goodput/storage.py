@@ -136,7 +136,7 @@ class Storage:
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._rng = random.Random()
-        self._read_fs = None
+        self._read_fs = self._get = None
 
     @property
     def fs(self):
@@ -146,17 +146,18 @@ class Storage:
             self._fs, self._base = url_to_fs(self.root, skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
-            self._read_fs = None
+            self._read_fs = self._get = None
         return self._fs
 
     @property
     def read_fs(self):
-        """The filesystem for GETs: obstore's fsspec adapter for s3:// when it is installed (about a
-        fifth of s3fs's client CPU per small file), else `fs`. Only in the process that first used
-        obstore: its runtime does not survive fork, so forked DataLoader workers use s3fs."""
+        """The filesystem for listings and GETs: obstore's fsspec adapter for s3:// when it is
+        installed (GETs then take obstore's own client: a fraction of s3fs's client CPU per small
+        file, see `_ObstoreGet`), else `fs`. Only in the process that first used obstore: its
+        runtime does not survive fork, so forked DataLoader workers use s3fs."""
         fs = self.fs
         if self._read_fs is None:
-            self._read_fs = _obstore_for(fs) or fs
+            self._read_fs, self._get = _obstore_for(fs) or (fs, None)
         if self._read_fs is not fs and _OBSTORE_PID[0] != os.getpid():
             return fs
         return self._read_fs
@@ -250,7 +251,9 @@ class Storage:
     def read_bytes(self, rel: str) -> bytes:
         def _read():
             fs = self.read_fs
-            if _is_s3fs(fs):
+            if fs is not self.fs and self._get is not None:
+                data = self._get(self._path(rel))  # obstore's own client, no fsspec layer
+            elif _is_s3fs(fs):
                 # s3fs's default asks for the size first (a HEAD) to split large files into ranged
                 # GETs; for a sample that is one request too many.
                 data = fs.cat_file(self._path(rel), max_concurrency=1)
@@ -353,7 +356,34 @@ def _obstore_for(fs):
     if region:
         kw["region"] = region
     _OBSTORE_PID[0] = os.getpid()
-    return FsspecStore("s3", skip_instance_cache=True, **kw)
+    return FsspecStore("s3", skip_instance_cache=True, **kw), _ObstoreGet(kw)
+
+
+class _ObstoreGet:
+    """A GET through obstore's own client, one store per bucket: about half the client CPU of the
+    same GET through its fsspec adapter (measured 0.38 against 0.76 ms per small file), which adds
+    an asyncio hop per call. Errors map to what the fsspec clients raise: FileNotFoundError for a
+    missing key, OSError (retried) for the rest."""
+
+    def __init__(self, kw: dict):
+        self.kw, self.stores = kw, {}
+
+    def __call__(self, path: str) -> bytes:
+        import obstore
+        from obstore.exceptions import BaseError, NotFoundError
+
+        bucket, _, key = path.partition("/")
+        store = self.stores.get(bucket)
+        if store is None:
+            from obstore.store import from_url
+
+            store = self.stores.setdefault(bucket, from_url(f"s3://{bucket}", **self.kw))
+        try:
+            return obstore.get(store, key).bytes().to_bytes()
+        except NotFoundError as e:
+            raise FileNotFoundError(f"s3://{path}") from e
+        except BaseError as e:
+            raise OSError(f"s3://{path}: {e}") from e
 
 
 def _fsync_dir(path: str) -> None:

@@ -6,7 +6,9 @@ one class per option, same methods, so the dataset and the loop never ask which 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -75,13 +77,17 @@ class CachedSource:
         self._evicted = 0
         self._last_scan = 0.0
         self._approx_bytes = None
+        self._fill_fd, self._fill_pid, self._stripes = None, None, []
+
+    _LOCAL = ("_pool", "_lock", "_inflight", "_fill_fd", "_fill_pid", "_stripes")
 
     def __getstate__(self):  # workers get config only; the pool lives in the training process
-        return {k: v for k, v in self.__dict__.items() if k not in ("_pool", "_lock", "_inflight")}
+        return {k: v for k, v in self.__dict__.items() if k not in self._LOCAL}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._pool, self._lock, self._inflight = None, threading.Lock(), set()
+        self._fill_fd, self._fill_pid, self._stripes = None, None, []
 
     def local_path(self, rel: str) -> str:
         return os.path.join(self.dir, rel)
@@ -125,8 +131,43 @@ class CachedSource:
             os.utime(path)  # LRU clock for eviction
             return data, True, 0
         except FileNotFoundError:
-            data, size = self._fill(rel)
-            return data, False, size
+            pass
+        with self._filling(rel):  # a prefetch thread fetching it holds this: wait for its fill
+            try:
+                with open(path, "rb") as f:
+                    return f.read(), False, 0
+            except FileNotFoundError:
+                data, size = self._fill(rel)
+                return data, False, size
+
+    @contextlib.contextmanager
+    def _filling(self, rel: str):
+        """Held while `rel` is fetched into the cache, by every process of the node: a DataLoader
+        worker that reaches a file the prefetch threads are still fetching waits for that fill
+        instead of a second GET. A POSIX record lock on one byte (picked by a hash of rel) of one
+        lock file, so no lock file per sample; not inherited by fork, released if the holder dies.
+        Record locks do not exclude threads of one process: a striped thread lock does that."""
+        h = int.from_bytes(hashlib.blake2b(rel.encode(), digest_size=4).digest(), "big")
+        if self._fill_pid != os.getpid():  # forked: the parent's fd and held thread locks stay there
+            self._fill_fd, self._fill_pid = None, os.getpid()
+            self._stripes = [threading.Lock() for _ in range(256)]
+        if self._fill_fd is None:
+            os.makedirs(self.dir, exist_ok=True)
+            self._fill_fd = os.open(os.path.join(self.dir, ".lock-fills"), os.O_RDWR | os.O_CREAT)
+        with self._stripes[h % 256]:
+            try:
+                fcntl.lockf(self._fill_fd, fcntl.LOCK_EX, 1, h)
+            except OSError as e:
+                # The kernel tracks record locks per process, so threads of two ranks holding and
+                # waiting can look like a cycle to it: fetch unlocked, a second GET at worst.
+                if e.errno != errno.EDEADLK:
+                    raise
+                yield
+                return
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fill_fd, fcntl.LOCK_UN, 1, h)
 
     def prefetch(self, rels: list[str], protect: set[str]) -> None:
         if self._pool is None:
@@ -142,13 +183,17 @@ class CachedSource:
 
     def _prefetch_one(self, rel: str) -> None:
         try:
-            if not os.path.exists(self.local_path(rel)):
+            if os.path.exists(self.local_path(rel)):
+                return
+            with self._filling(rel):
+                if os.path.exists(self.local_path(rel)):  # a worker (or another rank) filled it
+                    return
                 _, size = self._fill(rel)
-                with self._lock:
-                    self._prefetched_bytes += size
-                    self._prefetched_files += 1
-                    if self._approx_bytes is not None:
-                        self._approx_bytes += size
+            with self._lock:
+                self._prefetched_bytes += size
+                self._prefetched_files += 1
+                if self._approx_bytes is not None:
+                    self._approx_bytes += size
         except Exception as e:  # the reader will fetch it again and raise with the file's name
             log.debug("prefetch of %s failed: %s", rel, e)
         finally:
@@ -202,3 +247,6 @@ class CachedSource:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if self._fill_fd is not None and self._fill_pid == os.getpid():
+            os.close(self._fill_fd)
+            self._fill_fd = None
