@@ -15,7 +15,7 @@ from goodput.data.dataset import BadSampleError, DataRootError
 from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage, StorageConfig
+from goodput.storage import TEMP_PREFIX, Storage, StorageConfig
 
 STEPS = 10
 
@@ -121,8 +121,9 @@ def test_killed_cache_fill_never_serves_a_partial_file(data_root, tmp_path):
     for rel in files:
         data, hit, _ = src.read(rel)
         assert data == truth.read_bytes(rel)  # complete, whether a hit or refetched
-    leftovers = [n for _, _, ns in os.walk(src.dir) for n in ns if n.startswith(".fill-")]
-    served = [n for _, _, ns in os.walk(src.dir) for n in ns if not n.startswith(".fill-")]
+    names = [n for _, _, ns in os.walk(src.dir) for n in ns if not n.startswith(".lock-")]  # (fill locks)
+    leftovers = [n for n in names if n.startswith(TEMP_PREFIX)]
+    served = [n for n in names if not n.startswith(TEMP_PREFIX)]
     assert len(served) <= len(files) and all(n.endswith(".jpg") for n in served)
     assert leftovers or served  # the drill did exercise the cache
 
