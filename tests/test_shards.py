@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from goodput.data.loader import DataConfig, ResumableLoader
-from goodput.data.shards import INDEX, ShardFileList, ShardOrder, ShardSource, ensure_packed, pack
+from goodput.data.shards import (
+    INDEX,
+    ShardFileList,
+    ShardOrder,
+    ShardSource,
+    ensure_packed,
+    open_packed,
+    pack,
+)
 from goodput.data.synthetic import make_dataset
 from goodput.storage import TEMP_PREFIX, Storage, StorageConfig
 
@@ -192,6 +200,28 @@ def test_eviction_spares_the_lookahead_shards(packed, tmp_path):
 def test_cache_limit_below_two_blocks_is_refused(packed, tmp_path):
     with pytest.raises(ValueError, match="data.shuffle_block"):
         loader(packed, tmp_path, cache_limit=100)
+
+
+class _CountingStorage(Storage):
+    opened: list[str] = []
+
+    def __init__(self, root, cfg=None, **options):
+        super().__init__(root, cfg, **options)
+        self.opened.append(self.root)
+
+
+def test_packing_goes_through_the_storage_node_and_names_another_dataset_class(folder, tmp_path):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    cfg = {"backend": "shards", "root": str(tmp_path / "imgs")}
+    ensure_packed(cfg, _CountingStorage)
+    assert _CountingStorage.opened == [str(tmp_path / "imgs"), str(tmp_path / "imgs-shards")]
+    packed, _ = open_packed(_CountingStorage(cfg["root"]), "train")
+    assert type(packed) is _CountingStorage and packed.root.endswith("imgs-shards")
+    csv = {"_target_": "goodput.data.dataset.CsvManifest"}
+    with pytest.raises(ValueError, match=r"packed from data.dataset=.*ImageFolder.*CsvManifest.*remove"):
+        ensure_packed({**cfg, "dataset": csv})
 
 
 def test_ensure_packed_on_first_use_and_packed_url_root(folder, tmp_path, reference):

@@ -23,14 +23,10 @@ from goodput.fault import Faults
 from goodput.parallel import STRATEGIES
 from goodput.recovery import Recovery, agent_phases, restart_round
 from goodput.recovery import failure_time as recovery_failure_time
-from goodput.storage import Storage, StorageConfig
+from goodput.storage import Storage
 from goodput.tracking import Tracker
 
 log = logging.getLogger("goodput")
-
-
-def storage_options(c: dict) -> StorageConfig:
-    return StorageConfig(**c["storage"])
 
 
 def storage(c: dict, root: str) -> Storage:

@@ -115,9 +115,13 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
 
 def ensure_data(c: dict) -> None:
     dc = c["data"]
-    if not (dc["backend"] == "shards" and packed_root(dc["root"], build.storage_options(c)) == dc["root"]):
+
+    def open_storage(root: str):
+        return build.storage(c, root)
+
+    if not (dc["backend"] == "shards" and packed_root(open_storage(dc["root"])) == dc["root"]):
         _ensure_dataset(c)  # (a root that already holds packed shards needs no dataset to pack)
-    ensure_packed(dc, build.storage_options(c))  # data=shards: pack once, before the ranks start
+    ensure_packed(dc, open_storage)  # data=shards: pack once, before the ranks start
 
 
 def _ensure_dataset(c: dict) -> None:

@@ -37,7 +37,7 @@ import torch
 from goodput.data.dataset import ImageFolder, open_dataset
 from goodput.data.sampler import GlobalOrder, _mix
 from goodput.data.sources import CachedSource
-from goodput.storage import Storage, StorageConfig
+from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def pack(
 ) -> dict:
     """Pack the dataset at `src` (listed by the `data.dataset` node; default ImageFolder) into shards
     at `dst`; index.json last, so a crash mid-way leaves no dataset that looks complete. Returns the index."""
-    index: dict = {"format": FORMAT, "shard_bytes": shard_bytes, "splits": {}}
+    index: dict = {"format": FORMAT, "shard_bytes": shard_bytes, "dataset": dataset, "splits": {}}
     with ThreadPoolExecutor(threads) as pool:
         for split in ("train", "val"):
             files, shards, samples = _pack_split(src, dst, split, shard_bytes, pool, dataset)
@@ -117,26 +117,41 @@ def open_packed(storage: Storage, split: str) -> tuple[Storage, ShardFileList]:
     try:
         return storage, ShardFileList(storage, split)
     except FileNotFoundError:
-        packed = Storage(f"{storage.root}-shards", storage.cfg)
+        packed = type(storage)(f"{storage.root}-shards", storage.cfg)  # (the `storage` node's class)
         return packed, ShardFileList(packed, split)
 
 
-def packed_root(root: str, cfg: StorageConfig | None = None) -> str:
-    """`root` itself when it holds a packed dataset, else where `data=shards` packs it: `<root>-shards`."""
-    return root if Storage(root, cfg).exists(INDEX) else f"{root.rstrip('/')}-shards"
+def packed_root(storage: Storage) -> str:
+    """`storage`'s root when it holds a packed dataset, else where `data=shards` packs it: `<root>-shards`."""
+    return storage.root if storage.exists(INDEX) else f"{storage.root}-shards"
 
 
-def ensure_packed(data_cfg: dict, storage_cfg: StorageConfig | None = None) -> None:
-    """For `data=shards`: pack `data.root` on first use (once per job, before the ranks start)."""
+DEFAULT_DATASET = {"_target_": "goodput.data.dataset.ImageFolder"}
+
+
+def ensure_packed(data_cfg: dict, open_storage=Storage) -> None:
+    """For `data=shards`: pack `data.root` on first use (once per job, before the ranks start).
+    `open_storage(url)` opens a root (goodput.build.storage: the `storage` node). A packing made
+    from another `data.dataset` is an error, not silently the data this run trains on."""
     if data_cfg["backend"] != "shards":
         return
-    dst_url = packed_root(data_cfg["root"], storage_cfg)
-    dst = Storage(dst_url, storage_cfg)
+    src = open_storage(data_cfg["root"])
+    dst_url = packed_root(src)
+    if dst_url == src.root:
+        return  # data.root is a packed dataset itself
+    dst = open_storage(dst_url)
+    dataset = data_cfg.get("dataset") or DEFAULT_DATASET
     if dst.exists(INDEX):
+        packed_from = json.loads(dst.read_bytes(INDEX)).get("dataset") or DEFAULT_DATASET
+        if packed_from != dataset:
+            raise ValueError(
+                f"{dst.url(INDEX)} was packed from data.dataset={packed_from}, this run lists "
+                f"data.dataset={dataset}: remove {dst_url} to pack it again, or point data.root elsewhere"
+            )
         return
     log.info("packing %s into shards at %s (once) ...", data_cfg["root"], dst_url)
     t0 = time.time()
-    idx = pack(Storage(data_cfg["root"], storage_cfg), dst, dataset=data_cfg.get("dataset"))
+    idx = pack(src, dst, dataset=dataset)
     n = {s: len(v["shards"]) for s, v in idx["splits"].items()}
     log.info("packed %s shards in %.1fs", n, time.time() - t0)
 
