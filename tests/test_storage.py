@@ -150,3 +150,15 @@ def test_concurrent_writers_get_their_own_temp_file(tmp_path):
     # one whole file: the last one renamed
     assert (tmp_path / "same.bin").read_bytes() in (b"x" * 200_000, b"y" * 200_000)
     assert os.listdir(tmp_path) == ["same.bin"]
+
+
+def test_a_file_being_written_is_not_listed_under_its_suffix(tmp_path):
+    """Listings select by suffix (a rank's manifest `ranks/<r>.json`, attempt records, images): the
+    temp name of a write in progress must not match them, or rank 0 commits before a rank's
+    manifest exists."""
+    store = Storage(str(tmp_path))
+    with atomic_file(str(tmp_path / "ranks" / "1.json")) as f:
+        f.write(b"{}")
+        names = list(store.ls("ranks"))
+        assert len(names) == 1 and not names[0].endswith(".json") and names[0].startswith(TEMP_PREFIX)
+    assert list(store.ls("ranks")) == ["1.json"]

@@ -417,7 +417,9 @@ def atomic_file(path: str, mode: str = "wb", durable: bool = True) -> Iterator[I
         raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}")
+    # Hidden, and ending in .tmp: whoever lists the directory by suffix (manifests `<r>.json`,
+    # attempt records, images) never mistakes a file being written for a finished one.
+    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}.tmp")
     # O_EXCL: never shares a name with another writer; 0o666 & umask, as open() would (mkstemp's
     # 0o600 would survive the rename and hide the file from other users).
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -34,7 +34,7 @@ def attempts(run: str) -> list[dict]:
     from goodput.storage import Storage
 
     store, out = Storage(run), []
-    for name in sorted(store.ls("attempts")):
+    for name in sorted(n for n in store.ls("attempts") if n.endswith(".json")):
         try:
             out.append(json.loads(store.read_bytes(f"attempts/{name}")))
         except (FileNotFoundError, ValueError):

@@ -251,7 +251,7 @@ class CheckpointManager:
             failed = [n for n in names if n.endswith(".failed")]
             if failed:
                 raise SaveFailed(f"rank(s) {failed} failed to upload step {step}")
-            if sum(n.endswith(".json") for n in names) >= self.world:
+            if all(f"{r}.json" in names for r in range(self.world)):  # (exact names: not a temp file)
                 break
             if time.monotonic() > deadline:
                 raise SaveFailed(f"timed out waiting for all {self.world} ranks to upload step {step}")
