@@ -15,9 +15,10 @@ prefetch_threads (one run per cell) to show what to set.
 
 S3 rows (--s3, the honest section): the same loaders through moto's S3 server behind a proxy that
 adds latency and caps bandwidth per connection (goodput.bench.S3Endpoint), per-file before/after
-("old client"), data=shards, and MosaicML Streaming over MDS shards of the same data as the
-reference (pip install -e '.[bench]'). Per row also: requests and connections at the proxy, client
-CPU per image, and the endpoint's own CPU (it shares the machine's cores).
+("old client": s3fs with a HEAD per file in a worker, and workers that fetch what is not
+cached yet themselves, as before the request diet), data=shards, and MosaicML Streaming over MDS
+shards of the same data as the reference (pip install -e '.[bench]'). Per row also: requests and
+connections at the proxy, client CPU per image, and the endpoint's own CPU (it shares the cores).
 
     python scripts/bench_data.py --no-emulated --repeats 3 --s3-rows cached,shards,mosaic
 """
@@ -52,6 +53,7 @@ from goodput.bench import (
 )
 from goodput.data.config import DataConfig
 from goodput.data.loader import ResumableLoader
+from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
 from goodput.storage import Storage, StorageConfig
 
@@ -104,6 +106,41 @@ class OldClientStorage(Storage):
         return super().find(rel)
 
 
+class OldCachedSource(CachedSource):
+    """The node cache before the request diet, for the old-client row: a DataLoader worker that
+    finds a file missing fetches it itself (through its own fresh client), even while the prefetch
+    pool has it queued or is fetching it: no fill locks, no waiting."""
+
+    def read(self, rel: str) -> tuple[bytes, bool, int]:
+        try:
+            with open(self.local_path(rel), "rb") as f:
+                return f.read(), True, 0
+        except FileNotFoundError:
+            data, size = self._fill(rel)
+            return data, False, size
+
+    def prefetch(self, rels: list[str], protect: set[str]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.prefetch_threads, thread_name_prefix="prefetch")
+            self._queued: set[str] = set()
+        for rel in rels:
+            with self._lock:
+                if rel in self._queued:
+                    continue
+                self._queued.add(rel)
+            self._pool.submit(self._old_prefetch_one, rel)
+
+    def _old_prefetch_one(self, rel: str) -> None:
+        try:
+            if not os.path.exists(self.local_path(rel)):
+                self._fill(rel)
+        except Exception:
+            pass
+        finally:
+            with self._lock:
+                self._queued.discard(rel)
+
+
 def dataset(a) -> str:
     """Generate once per size under --data-root; a marker written last says it is complete."""
     root = os.path.join(a.data_root, f"{a.classes}x{a.per_class}-{a.image_size}px")
@@ -150,6 +187,7 @@ def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
         "build_s": build_s,
         "hit_rate": hits,
         "cpu_ms_per_image": 1000 * (process_cpu_s(exclude) - cpu0) / images,
+        "load_1m": os.getloadavg()[0],  # the machine is shared: how busy it was (this run included)
     }
     if ep:
         counts = ep.counts()
@@ -164,7 +202,7 @@ def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
 
 
 def ours(a, storage: Storage, backend: str, cache_dir: str, prefetch_steps: int, threads: int, steps: int,
-         floor: bool = False):  # fmt: skip
+         floor: bool = False, old_cache: bool = False):  # fmt: skip
     cfg = DataConfig(
         backend=backend,
         root=storage.root,
@@ -187,6 +225,9 @@ def ours(a, storage: Storage, backend: str, cache_dir: str, prefetch_steps: int,
             plain = Storage(storage.root)  # no emulation: this is not part of the measurement
             mem = MemorySource(storage, {r: plain.read_bytes(r) for r in rels})
             loader.source = loader.dataset.source = mem  # before the first next(): workers fork after it
+        if old_cache:
+            old = OldCachedSource(storage, cache_dir, prefetch_threads=threads)
+            loader.source = loader.dataset.source = old
         return loader, loader.close, lambda: loader.stats()["data/cache_hits"] / (steps * a.batch)
 
     return make
@@ -412,7 +453,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                 ("s3 remote", ours(a, Storage(folder), "remote", f"{d}/none", 1, 1, steps)),  # no prefetch
                 (
                     "s3 cached cold (old client)",
-                    ours(a, old, "cached", f"{d}/o", ps, th, steps),
+                    ours(a, old, "cached", f"{d}/o", ps, th, steps, old_cache=True),
                 ),
                 ("s3 cached cold", ours(a, Storage(folder), "cached", f"{d}/c", ps, th, steps)),
                 ("s3 cached warm", ours(a, Storage(folder), "cached", f"{d}/c", ps, th, steps)),
@@ -480,6 +521,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                 "client CPU ms / image",
                 "endpoint CPU, cores",
                 "vs Mosaic",
+                "load (1 min)",
             ],
             [
                 [
@@ -492,6 +534,7 @@ def s3_section(a, root: str, work: str) -> tuple[list[dict], list[dict], str, di
                     r["cpu_ms_per_image"],
                     r["endpoint_cpu_share"],
                     r["vs_mosaic"],
+                    r["load_1m"],
                 ]
                 for r in rows
             ],
