@@ -203,18 +203,24 @@ def measure(a, make, steps: int, ep: S3Endpoint | None) -> dict:
 
 def ours(a, storage: Storage, backend: str, cache_dir: str, prefetch_steps: int, threads: int, steps: int,
          floor: bool = False, old_cache: bool = False):  # fmt: skip
+    source = {
+        "remote": {"_target_": "goodput.data.sources.RemoteSource"},
+        "cached": {"_target_": "goodput.data.sources.CachedSource", "prefetch_threads": threads},
+        "shards": {
+            "_target_": "goodput.data.shards.ShardSource",
+            "prefetch_threads": threads,
+            "shuffle_block": a.shuffle_block,
+        },
+    }[backend]
     cfg = DataConfig(
-        backend=backend,
+        source=source,
         root=storage.root,
         cache_dir=cache_dir,
         image_size=a.image_size,
         num_workers=a.num_workers,
         prefetch_factor=a.prefetch_factor,
         prefetch_steps=prefetch_steps,
-        prefetch_threads=threads,
-        cache_limit=None,
         on_bad_sample="error",
-        shuffle_block=a.shuffle_block,
     )
 
     def make():
@@ -592,7 +598,7 @@ def main() -> int:
     p.add_argument("--s3-steps", type=int, default=0, help="steps per S3 row; 0 = one epoch")
     p.add_argument("--s3-rows", default="", help="comma list of substrings: run only matching S3 rows")
     p.add_argument("--shard-mb", type=float, default=4.0, help="shard size, ours and MDS alike")
-    p.add_argument("--shuffle-block", type=int, default=4, help="data.shuffle_block for the shards rows")
+    p.add_argument("--shuffle-block", type=int, default=4, help="data.source.shuffle_block for the shards rows")
     p.add_argument("--shard-threads", type=int, default=4, help="prefetch threads of the shards rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/bench", help="JSON, PNG and scratch space go here")

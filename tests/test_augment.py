@@ -36,8 +36,8 @@ def data_root(tmp_path_factory):
 
 def loader(root, cache_dir, transform, workers=0):
     cfg = DataConfig(
-        backend="cached", root=root, cache_dir=str(cache_dir), image_size=16, num_workers=workers,
-        prefetch_factor=2, prefetch_steps=3, prefetch_threads=4,
+        source={"_target_": "goodput.data.sources.CachedSource", "prefetch_threads": 4}, root=root,
+        cache_dir=str(cache_dir), image_size=16, num_workers=workers, prefetch_factor=2, prefetch_steps=3,
     )  # fmt: skip
     return ResumableLoader(cfg, Storage(root), 5, 8, STEPS, 0, 1, torch.device("cpu"), transform=transform)
 

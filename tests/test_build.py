@@ -10,17 +10,20 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from goodput import build
 from goodput.accounting import Attempts, Ledger, process_start
 from goodput.checkpoint.backends import DCPAsync, DCPSync
 from goodput.config import ConfigError, validate
-from goodput.data.config import BACKENDS
+from goodput.data.config import DataConfig
 from goodput.data.dataset import CsvManifest, DataRootError, ImageFolder
-from goodput.data.loader import SOURCES
+from goodput.data.loader import ResumableLoader
+from goodput.data.sources import RemoteSource
 from goodput.data.synthetic import make_dataset
 from goodput.storage import Storage
 from goodput.worker import begin_attempt
@@ -62,8 +65,36 @@ def test_the_backend_node_is_its_constructor(tmp_path):
         validate(c)
 
 
-def test_every_data_backend_has_its_class():
-    assert set(BACKENDS) == set(SOURCES)
+class CountingSource(RemoteSource):
+    """A user's own source, selected by `data.source._target_`."""
+
+    reads = 0
+
+    def read(self, rel):
+        type(self).reads += 1
+        return super().read(rel)
+
+
+def test_the_source_node_is_its_class(tmp_path):
+    root = tmp_path / "d"
+    make_dataset(str(root), num_classes=2, train_per_class=8, val_per_class=2, image_size=16)
+    c = _config(tmp_path, ["experiment=smoke", f"data.root={root}", "data=remote"])
+    c["data"]["source"]["_target_"] = f"{__name__}.CountingSource"
+    validate(c)
+    cpu = torch.device("cpu")
+    ld = ResumableLoader(DataConfig(**c["data"]), build.storage(c, str(root)), 0, 8, 2, 0, 1, cpu)
+    next(ld)
+    ld.close()
+    assert type(ld.source) is CountingSource and CountingSource.reads == 8
+    # A typo or a bad value inside the node fails at start-up, naming it (no **kwargs anywhere).
+    c["data"]["source"] = {"_target_": "goodput.data.sources.CachedSource", "prefetch_thread": 4}
+    with pytest.raises(ConfigError, match="(?s)data.source: .*prefetch_thread"):
+        validate(c)
+    c["data"]["source"] = {"_target_": "goodput.data.shards.ShardSource", "shuffle_block": -1}
+    with pytest.raises(ConfigError, match="data.source.shuffle_block must be >= 0, got -1"):
+        validate(c)
+    with pytest.raises(ConfigCompositionException, match="prefetch_thread"):
+        _config(tmp_path, ["data.source.prefetch_thread=4"])
 
 
 # -- shape of the code -------------------------------------------------------------------------

@@ -12,11 +12,10 @@ import pytest
 from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from goodput.config import SCHEMAS, ConfigError, validate
-from goodput.data.config import DataConfig
-from goodput.data.sources import CachedSource
 
 CONF = str(REPO / "conf")
 GROUPS = {
@@ -43,7 +42,7 @@ def test_every_option_composes_and_resolves(group, option):
 def test_the_default_is_the_demo_job():
     c = OmegaConf.to_container(_compose([]), resolve=True)
     assert c["run"]["name"] == "demo" and c["trainer"]["max_steps"] == 300
-    assert c["data"]["backend"] == "cached"
+    assert c["data"]["source"]["_target_"] == "goodput.data.sources.CachedSource"
     backend = {"_target_": "goodput.checkpoint.backends.DCPAsync", "async_type": "thread"}
     assert c["checkpoint"]["backend"] == backend
     assert c["storage"]["latency_ms"] > 0  # the demo emulates a remote volume
@@ -111,8 +110,15 @@ def test_a_mistyped_value_is_refused_at_compose():
 def test_one_default_per_setting():
     c = OmegaConf.to_container(_compose(["data.image_size=64", "paths.root=/x"]), resolve=True)
     assert c["dataset"]["image_size"] == 64 and c["data"]["root"].endswith("-s64")  # one image size
-    threads = CachedSource.__init__.__defaults__[0]
-    assert threads == DataConfig.prefetch_threads == c["data"]["prefetch_threads"]
+
+
+@pytest.mark.parametrize("option", GROUPS["data"])
+def test_a_source_node_lists_its_class_options_with_their_defaults(option):
+    """The `data.source` node shows every option of its class (so `--cfg job` is the reference and
+    `data.source.<option>=` needs no `+`), each at the class's own default: one default per setting."""
+    node = OmegaConf.to_container(_compose([f"data={option}"]), resolve=True)["data"]["source"]
+    params = inspect.signature(get_class(node.pop("_target_"))).parameters
+    assert node == {k: p.default for k, p in params.items() if k not in ("storage", "cache_dir")}
 
 
 def test_every_schema_field_is_documented():
@@ -175,11 +181,11 @@ def test_a_data_option_file_is_a_short_diff(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "data" / "flowers.yaml").write_text(
-        "defaults: [base]\nbackend: cached\nroot: s3://my-bucket/flowers\nimage_size: 128\n"
+        "defaults: [cached]\nroot: s3://my-bucket/flowers\nimage_size: 128\n"
     )
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         c = OmegaConf.to_container(compose("train", overrides=["data=flowers"]), resolve=True)
-    assert c["data"]["root"] == "s3://my-bucket/flowers" and c["data"]["prefetch_threads"] == 16
+    assert c["data"]["root"] == "s3://my-bucket/flowers" and c["data"]["source"]["prefetch_threads"] == 16
     assert c["augment"]["train"][0]["size"] == 128
     validate(c)
 

@@ -27,11 +27,19 @@ def data_root(tmp_path_factory):
     return str(root)
 
 
+SOURCE = {
+    "cached": {"_target_": "goodput.data.sources.CachedSource", "prefetch_threads": 4},
+    "remote": {"_target_": "goodput.data.sources.RemoteSource"},
+}
+
+
 def loader(root, cache_dir, backend="cached", workers=0, max_steps=STEPS, storage_cfg=None, **kw):
+    source = dict(SOURCE[backend])
+    if "cache_limit" in kw:
+        source["cache_limit"] = kw.pop("cache_limit")
     cfg = DataConfig(
-        backend=backend, root=root, cache_dir=str(cache_dir), image_size=16, num_workers=workers,
-        prefetch_factor=2, prefetch_steps=3, prefetch_threads=4, cache_limit=kw.pop("cache_limit", None),
-        on_bad_sample=kw.pop("on_bad_sample", "error"),
+        source=source, root=root, cache_dir=str(cache_dir), image_size=16, num_workers=workers,
+        prefetch_factor=2, prefetch_steps=3, on_bad_sample=kw.pop("on_bad_sample", "error"),
     )  # fmt: skip
     rank, world = kw.pop("rank", 0), kw.pop("world", 1)
     return ResumableLoader(cfg, Storage(root, storage_cfg), 5, 8, max_steps, rank, world, torch.device("cpu"))

@@ -109,7 +109,7 @@ def test_cache_disk_full_is_a_clear_error_and_leaves_no_entry(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    with pytest.raises(OSError, match="cache disk full at .*data.cache_limit"):
+    with pytest.raises(OSError, match="cache disk full at .*data.source.cache_limit"):
         src.read(rel)
     monkeypatch.setattr(os, "replace", real_replace)
     left = [n for _, _, ns in os.walk(src.dir) for n in ns if not n.startswith(".lock-")]  # (fill locks)
@@ -145,6 +145,6 @@ def test_second_job_on_the_same_run_is_refused_then_stale_lock_is_taken_over(tmp
 
 
 def test_cache_budget_smaller_than_the_lookahead_window_fails_before_training(tmp_path):
-    p, s = run_train(tmp_path, "data.cache_limit=1000", expect_rc=1)
-    assert "data.cache_limit=1000 bytes is smaller than one look-ahead window" in p.stdout + p.stderr
+    p, s = run_train(tmp_path, "data.source.cache_limit=1000", expect_rc=1)
+    assert "data.source.cache_limit=1000 bytes is smaller than one look-ahead window" in p.stdout + p.stderr
     assert s is None

@@ -44,10 +44,16 @@ def packed(folder, tmp_path_factory):
 
 
 def loader(root, cache_dir, backend="shards", workers=0, block=2, rank=0, world=1, cache_limit=None):
+    source = {
+        "_target_": "goodput.data.sources.CachedSource",
+        "prefetch_threads": 2,
+        "cache_limit": cache_limit,
+    }
+    if backend == "shards":
+        source.update(_target_="goodput.data.shards.ShardSource", shuffle_block=block)
     cfg = DataConfig(
-        backend=backend, root=root, cache_dir=str(cache_dir), image_size=16, num_workers=workers,
-        prefetch_factor=2, prefetch_steps=2, prefetch_threads=2, cache_limit=cache_limit,
-        on_bad_sample="error", shuffle_block=block,
+        source=source, root=root, cache_dir=str(cache_dir), image_size=16, num_workers=workers,
+        prefetch_factor=2, prefetch_steps=2, on_bad_sample="error",
     )  # fmt: skip
     return ResumableLoader(cfg, Storage(root), 5, 8, STEPS, rank, world, torch.device("cpu"))
 
@@ -142,9 +148,14 @@ def test_second_epoch_is_served_from_whole_cached_shards(packed, tmp_path):
     assert len(cached) == len(ld.files.shards)
 
 
+def _source(storage, cache_dir, **options) -> ShardSource:
+    src = ShardSource(storage, cache_dir, **options)
+    src.open("train")
+    return src
+
+
 def _fill_forever(root, cache_dir, shards):
-    files = ShardFileList(Storage(root), "train")
-    src = ShardSource(Storage(root, StorageConfig(bandwidth_mb_s=0.5)), cache_dir, files=files)
+    src = _source(Storage(root, StorageConfig(bandwidth_mb_s=0.5)), cache_dir)
     while True:
         for name in shards:
             try:
@@ -164,7 +175,7 @@ def test_killed_shard_fill_never_serves_a_partial_shard(packed, tmp_path):
         time.sleep(delay)
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-    src = ShardSource(Storage(packed), str(tmp_path), files=files)
+    src = _source(Storage(packed), str(tmp_path))
     served = [n for _, _, ns in os.walk(src.dir) for n in ns if n.endswith(".tar") and not n.startswith(".")]
     leftovers = [n for _, _, ns in os.walk(src.dir) for n in ns if n.startswith(TEMP_PREFIX)]
     assert served or leftovers  # the drill did exercise the cache
@@ -183,7 +194,7 @@ def test_eviction_spares_the_lookahead_shards(packed, tmp_path):
     files = ShardFileList(Storage(packed), "train")
     names = [s["name"] for s in files.shards]
     budget = 3 * files.shard_bytes
-    src = ShardSource(Storage(packed), str(tmp_path), files=files, cache_limit=budget)
+    src = _source(Storage(packed), str(tmp_path), cache_limit=budget)
     for name in names:
         src._fill(name)
         time.sleep(0.002)  # distinct mtimes: a clear LRU order
@@ -198,7 +209,7 @@ def test_eviction_spares_the_lookahead_shards(packed, tmp_path):
 
 
 def test_cache_limit_below_two_blocks_is_refused(packed, tmp_path):
-    with pytest.raises(ValueError, match="data.shuffle_block"):
+    with pytest.raises(ValueError, match="data.source.shuffle_block"):
         loader(packed, tmp_path, cache_limit=100)
 
 
@@ -214,7 +225,7 @@ def test_packing_goes_through_the_storage_node_and_names_another_dataset_class(f
     import shutil
 
     shutil.copytree(folder, tmp_path / "imgs")
-    cfg = {"backend": "shards", "root": str(tmp_path / "imgs")}
+    cfg = {"root": str(tmp_path / "imgs")}
     ensure_packed(cfg, _CountingStorage)
     assert _CountingStorage.opened == [str(tmp_path / "imgs"), str(tmp_path / "imgs-shards")]
     packed, _ = open_packed(_CountingStorage(cfg["root"]), "train")
@@ -229,7 +240,7 @@ def test_ensure_packed_on_first_use_and_packed_url_root(folder, tmp_path, refere
 
     root = tmp_path / "imgs"
     shutil.copytree(folder, root)
-    cfg = {"backend": "shards", "root": str(root)}
+    cfg = {"root": str(root)}
     ensure_packed(cfg)
     assert (tmp_path / "imgs-shards" / INDEX).exists()
     mtime = (tmp_path / "imgs-shards" / INDEX).stat().st_mtime_ns
@@ -273,16 +284,16 @@ def test_pack_script_packs_and_refuses_to_overwrite(folder, tmp_path, monkeypatc
 def test_train_entry_point_with_data_shards(tmp_path):
     from conftest import run_train
 
-    _, s = run_train(tmp_path, "data=shards", "data.shuffle_block=2")
+    _, s = run_train(tmp_path, "data=shards", "data.source.shuffle_block=2")
     assert s is not None and s["steps"] > 0
     packed = list(tmp_path.rglob(INDEX))
     assert len(packed) == 1 and packed[0].parent.name.endswith("-shards")
 
 
 def _fill_in_child(packed, cache_dir, shard, q):
-    files = ShardFileList(Storage(packed), "train")
+    src = _source(Storage(packed), cache_dir)
     t = time.monotonic()
-    ShardSource(Storage(packed), cache_dir, files=files)._fill(shard)
+    src._fill(shard)
     q.put(time.monotonic() - t)
 
 
@@ -293,7 +304,7 @@ def test_a_fork_during_a_fill_does_not_inherit_the_shard_lock(packed, tmp_path):
 
     files = ShardFileList(Storage(packed), "train")
     shard = files.shards[0]["name"]
-    slow = ShardSource(Storage(packed, StorageConfig(bandwidth_mb_s=0.02)), str(tmp_path), files=files)
+    slow = _source(Storage(packed, StorageConfig(bandwidth_mb_s=0.02)), str(tmp_path))
     ctx = mp.get_context("fork")
     filler = threading.Thread(target=slow._fill, args=(shard,))
     filler.start()

@@ -138,10 +138,13 @@ def validate(c: dict) -> None:
         augment.build(c["augment"], c["data"]["image_size"])
     except Exception as e:
         errors.append(f"augment: {e}")
-    try:  # the backend's constructor names a mistyped or unknown key (it takes no **kwargs)
-        instantiate(c["checkpoint"]["backend"])
-    except Exception as e:
-        errors.append(f"checkpoint.backend: {e}")
+    # Nodes built by their class: the constructor names a mistyped or unknown key (none takes
+    # **kwargs) and checks the values. Cheap: a source opens nothing until `open()`.
+    for group, key in (("checkpoint", "backend"), ("data", "source")):
+        try:
+            instantiate(c[group][key])
+        except Exception as e:
+            errors.append(f"{group}.{key}: {e}")
 
     tr, par = c["trainer"], c["parallel"]
     gbs, n = tr["global_batch_size"], par["nproc_per_node"]

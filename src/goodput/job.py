@@ -21,7 +21,6 @@ from goodput.accounting import process_start
 from goodput.checkpoint.manager import config_hash
 from goodput.checkpoint.resume import explicit_checkpoint
 from goodput.config import validate
-from goodput.data.shards import ensure_packed, packed_root
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.lock import RunLock
 from goodput.tracking import flatten, source_tags, start_run
@@ -114,14 +113,11 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
 
 
 def ensure_data(c: dict) -> None:
+    """The data the ranks will read exists: the source class's `prepare` (the demo data generated
+    if it is missing; data=shards packs it), once, before the ranks start."""
     dc = c["data"]
-
-    def open_storage(root: str):
-        return build.storage(c, root)
-
-    if not (dc["backend"] == "shards" and packed_root(open_storage(dc["root"])) == dc["root"]):
-        _ensure_dataset(c)  # (a root that already holds packed shards needs no dataset to pack)
-    ensure_packed(dc, open_storage)  # data=shards: pack once, before the ranks start
+    source = get_class(dc["source"]["_target_"])
+    source.prepare(dc, lambda url: build.storage(c, url), lambda: _ensure_dataset(c))
 
 
 def _ensure_dataset(c: dict) -> None:

@@ -16,17 +16,16 @@ def _raise(errors: list[str]) -> None:
         raise ValueError("\n  - ".join(errors))
 
 
-# The options of data.backend; goodput.data.loader.SOURCES maps each to its class (a test checks
-# they agree; the classes import this module for their defaults, so it cannot import them).
-BACKENDS = ("cached", "remote", "shards")
-
-
 @dataclass
 class DataConfig:
-    backend: str = MISSING
-    """Where sample bytes come from (one class per option: goodput.data.loader.SOURCES):
-    `cached` = node-local cache of files + sampler-aware prefetch, `remote` = every read goes to the
-    remote, `shards` = the dataset packed into tar shards, cached whole (packed on first use)."""
+    source: Any = MISSING
+    """Where sample bytes come from: a `_target_` node (the source class, built with
+    hydra.utils.instantiate), one option file each: `cached` (goodput.data.sources.CachedSource:
+    node-local cache of files + sampler-aware prefetch; options `prefetch_threads`, `cache_limit`),
+    `remote` (RemoteSource: every read goes to the remote; no options), `shards`
+    (goodput.data.shards.ShardSource: the dataset packed into tar shards, cached whole, packed on
+    first use; options `prefetch_threads`, `cache_limit`, `shuffle_block`). Each option's default and
+    trade-off is documented in its class's `__init__`; the class takes no other keys."""
 
     root: str = "${paths.data_dir}"
     """The dataset: a path or fsspec URL (s3://bucket/prefix, gs://..., memory://...) holding
@@ -40,8 +39,8 @@ class DataConfig:
     a class of your own with the same attributes (see ImageFolder). Samples are decoded as images."""
 
     cache_dir: str = "${paths.cache_dir}"
-    """Node-local cache (cached backend): put it on the fastest local disk. Shared by every rank
-    and worker on the node and kept across restarts."""
+    """Node-local cache (of files, shards and listings; handed to the source): put it on the fastest
+    local disk. Shared by every rank and worker on the node and kept across restarts."""
 
     image_size: int = 32
     """Side of the square training image, in pixels (the augment pipeline ends there, eval resizes
@@ -58,37 +57,19 @@ class DataConfig:
 
     prefetch_steps: int = 8
     """Look-ahead, in steps, of the download threads (and the window never evicted from the cache).
-    Longer hides latency spikes of the remote; with cache_limit set, the budget must hold
-    (prefetch_steps + 1) global batches of files."""
-
-    prefetch_threads: int = 16
-    """Downloads in flight (cached backend). To keep up, at least
-    files per step per node x per-file latency / step time (for example 128 files x 5 ms / 0.1 s = 7);
-    more only adds idle threads and request rate at the remote."""
-
-    cache_limit: int | None = None
-    """Byte budget of the node cache; null = unlimited. Least recently used files are evicted first,
-    never one inside any rank's look-ahead window. A budget below the dataset re-downloads evicted
-    files every epoch."""
+    Longer hides latency spikes of the remote; with data.source.cache_limit set, the budget must
+    hold (prefetch_steps + 1) global batches of files."""
 
     on_bad_sample: str = "error"
     """A file that cannot be read or decoded: `error` stops with its name; `skip` trains on without it
     (padding, ignored by the loss) and counts it in MLflow (data/bad_samples)."""
 
-    shuffle_block: int = 0
-    """data=shards: shards per shuffle block; 0 = a full shuffle (the per-file backends' order). A
-    block of k shards keeps a window of steps on about k shards (few downloads, a small cache) at the
-    cost of shuffle quality: a sample moves at most k shards' worth of positions per epoch instead
-    of anywhere."""
-
     def __post_init__(self):
         e = []
-        if self.backend not in BACKENDS:
-            e.append(f"data.backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if not (isinstance(self.source, dict) and "_target_" in self.source):
+            e.append(f"data.source must be a node with a _target_ (a class), got {self.source!r}")
         if not (isinstance(self.dataset, dict) and "_target_" in self.dataset):
             e.append(f"data.dataset must be a node with a _target_ (a class), got {self.dataset!r}")
-        if self.shuffle_block < 0:
-            e.append(f"data.shuffle_block must be >= 0, got {self.shuffle_block}")
         if self.num_workers < 0:
             e.append(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.image_size < 8:
@@ -97,12 +78,8 @@ class DataConfig:
             e.append(f"data.prefetch_factor must be >= 1, got {self.prefetch_factor}")
         if self.prefetch_steps < 1:
             e.append(f"data.prefetch_steps must be >= 1, got {self.prefetch_steps}")
-        if self.prefetch_threads < 1:
-            e.append(f"data.prefetch_threads must be >= 1, got {self.prefetch_threads}")
         if self.on_bad_sample not in ("error", "skip"):
             e.append(f"data.on_bad_sample must be error|skip, got {self.on_bad_sample!r}")
-        if self.cache_limit is not None and self.cache_limit <= 0:
-            e.append(f"data.cache_limit must be > 0 bytes or null, got {self.cache_limit}")
         try:
             check_url(str(self.root), "data.root")
         except ValueError as err:

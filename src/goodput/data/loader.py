@@ -11,20 +11,17 @@ import logging
 import sys
 
 import torch
+from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data.config import DataConfig
-from goodput.data.dataset import ImageDataset, open_dataset
-from goodput.data.sampler import GlobalOrder, OrderHash, StepBatchSampler
-from goodput.data.shards import ShardOrder, ShardSource, open_packed
-from goodput.data.sources import CachedSource, RemoteSource
+from goodput.data.dataset import ImageDataset
+from goodput.data.sampler import OrderHash, StepBatchSampler
 from goodput.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)
-
-SOURCES = {"remote": RemoteSource, "cached": CachedSource, "shards": ShardSource}  # data.backend
 
 
 class DatasetChangedError(IncompatibleCheckpoint):
@@ -50,29 +47,10 @@ class QuietWorkersLoader(DataLoader):
 
 
 def open_split(cfg: DataConfig, storage: Storage, split: str):
-    """(source, file list) of one split for `cfg.backend`; shards read the packed dataset."""
-    kw = dict(cache_dir=cfg.cache_dir, prefetch_threads=cfg.prefetch_threads, cache_limit=cfg.cache_limit)
-    if cfg.backend == "shards":
-        packed, files = open_packed(storage, split)
-        return SOURCES["shards"](packed, files=files, **kw), files
-    files = open_dataset(cfg.dataset, storage, split, cfg.cache_dir)
-    return SOURCES[cfg.backend](storage, **kw), files
-
-
-def make_order(cfg: DataConfig, files, global_batch_size: int, seed: int) -> GlobalOrder:
-    if cfg.backend != "shards":
-        return GlobalOrder(len(files), global_batch_size, seed)
-    order = ShardOrder(files, global_batch_size, seed, cfg.shuffle_block)
-    if cfg.cache_limit is not None:
-        # A window of steps touches at most two blocks of shards (one at an epoch's or block's edge).
-        need = 2 * (order.block or len(files.shards)) * files.shard_bytes
-        if cfg.cache_limit < need:
-            raise ValueError(
-                f"data.cache_limit={cfg.cache_limit} bytes is below two shuffle blocks of shards "
-                f"({need} bytes: 2 x data.shuffle_block={cfg.shuffle_block} x {files.shard_bytes}): "
-                f"raise data.cache_limit or lower data.shuffle_block"
-            )
-    return order
+    """(source, file list) of one split: the `data.source` node's class, built with the data root's
+    storage and the node cache dir, lists it (goodput.data.sources: the source protocol)."""
+    source = instantiate(cfg.source, storage=storage, cache_dir=cfg.cache_dir)
+    return source, source.open(split, cfg.dataset)
 
 
 def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
@@ -121,17 +99,7 @@ class ResumableLoader:
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
-        self.order = make_order(cfg, self.files, global_batch_size, seed)
-        if cfg.cache_limit is not None and cfg.backend == "cached":
-            # The protected window is every rank's files for prefetch_steps + 1 steps: a budget below
-            # that would have to evict files that are about to be read.
-            largest = sorted(self.files.sizes, reverse=True)[: (cfg.prefetch_steps + 1) * global_batch_size]
-            if cfg.cache_limit < sum(largest):
-                raise ValueError(
-                    f"data.cache_limit={cfg.cache_limit} bytes is smaller than one look-ahead window "
-                    f"(data.prefetch_steps={cfg.prefetch_steps} + 1 steps of {global_batch_size} files, "
-                    f"up to {sum(largest)} bytes here): raise data.cache_limit or lower data.prefetch_steps"
-                )
+        self.order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
         self.dataset = ImageDataset(
             self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, transform
         )

@@ -10,12 +10,12 @@ The shards are plain tar files in WebDataset's naming convention, so `tar`, `web
 `litdata` read them too; `index.json` adds what random access needs (each sample's shard, byte
 offset and size) and the original file names, so sample i here is sample i of the ImageFolder
 (same sorted listing, same fingerprint): the order, the hash chain and the augmentation seeds are
-those of the per-file backends.
+those of the per-file sources.
 
 Order: `ShardOrder` shuffles shards, groups them into blocks of `shuffle_block` shards, and
 shuffles samples within each block (like MosaicML Streaming's `py1br`). A pure function of
 (seed, epoch); a window of steps touches at most two blocks of shards. `shuffle_block: 0` (or a
-block covering every shard) is the full shuffle of the per-file backends, sample for sample.
+block covering every shard) is the full shuffle of the per-file sources, sample for sample.
 """
 
 from __future__ import annotations
@@ -130,11 +130,9 @@ DEFAULT_DATASET = {"_target_": "goodput.data.dataset.ImageFolder"}
 
 
 def ensure_packed(data_cfg: dict, open_storage=Storage) -> None:
-    """For `data=shards`: pack `data.root` on first use (once per job, before the ranks start).
+    """Pack `data.root` on first use (ShardSource.prepare: once per job, before the ranks start).
     `open_storage(url)` opens a root (goodput.build.storage: the `storage` node). A packing made
     from another `data.dataset` is an error, not silently the data this run trains on."""
-    if data_cfg["backend"] != "shards":
-        return
     src = open_storage(data_cfg["root"])
     dst_url = packed_root(src)
     if dst_url == src.root:
@@ -198,7 +196,7 @@ class ShardOrder(GlobalOrder):
     @lru_cache(maxsize=2)  # noqa: B019 - a handful of orders per run, each lives as long as the run
     def permutation(self, epoch: int) -> torch.Tensor:
         if not self.block:
-            return GlobalOrder.permutation.__wrapped__(self, epoch)  # the per-file backends' order
+            return GlobalOrder.permutation.__wrapped__(self, epoch)  # the per-file sources' order
         g = torch.Generator().manual_seed(_mix(self.seed, epoch, len(self.shards), self.block))
         shard_order = torch.randperm(len(self.shards), generator=g).tolist()
         out = []
@@ -221,13 +219,57 @@ class ShardSource(CachedSource):
 
     OPEN_SHARDS = 16  # file descriptors kept per process: a sample read is one pread
 
-    def __init__(self, storage: Storage, cache_dir: str, files: ShardFileList, **kw):
-        super().__init__(storage, cache_dir, **kw)
-        self.where = files.where
+    def __init__(
+        self,
+        storage: Storage | None = None,
+        cache_dir: str | None = None,
+        prefetch_threads: int = 4,
+        cache_limit: int | None = None,
+        shuffle_block: int = 16,
+    ):
+        """`prefetch_threads`, `cache_limit`: as CachedSource's, counted in shards: one request per
+        shard, so a few threads saturate the link; the budget must hold two shuffle blocks.
+
+        `shuffle_block` (`data.source.shuffle_block`): shards per shuffle block; 0 = a full shuffle
+        (the per-file sources' order, sample for sample). A block of k shards keeps a window of
+        steps on about k shards (few downloads, a small cache) at the cost of shuffle quality: a
+        sample moves at most k shards' worth of positions per epoch instead of anywhere."""
+        if shuffle_block < 0:
+            raise ValueError(f"data.source.shuffle_block must be >= 0, got {shuffle_block}")
+        super().__init__(storage, cache_dir, prefetch_threads, cache_limit)
+        self.shuffle_block = shuffle_block
+        self.where: dict[str, tuple[str, int, int]] = {}
         self._fds: dict[str, int] = {}
         self._touched: dict[str, float] = {}
         self._tlocks: dict[str, threading.Lock] = {}
         self._lock_pid = os.getpid()
+
+    @classmethod
+    def prepare(cls, data_cfg: dict, open_storage, ensure_dataset) -> None:
+        """Pack `data.root` once, before the ranks start (a root that already holds packed shards
+        needs no dataset to pack)."""
+        if packed_root(open_storage(data_cfg["root"])) != data_cfg["root"]:
+            ensure_dataset()
+        ensure_packed(data_cfg, open_storage)
+
+    def open(self, split: str, dataset: dict | None = None) -> ShardFileList:
+        """The packed split: reads go to the packed root (`data.root` itself, or `<root>-shards`)."""
+        self.storage, files = open_packed(self.storage, split)
+        self.where = files.where
+        return files
+
+    def order(self, files: ShardFileList, global_batch_size: int, seed: int, window_steps: int) -> ShardOrder:
+        order = ShardOrder(files, global_batch_size, seed, self.shuffle_block)
+        if self.cache_limit is not None:
+            # A window of steps touches at most two blocks of shards (one at an epoch's or block's edge).
+            need = 2 * (order.block or len(files.shards)) * files.shard_bytes
+            if self.cache_limit < need:
+                raise ValueError(
+                    f"data.source.cache_limit={self.cache_limit} bytes is below two shuffle blocks of "
+                    f"shards ({need} bytes: 2 x data.source.shuffle_block={self.shuffle_block} x "
+                    f"{files.shard_bytes}): raise data.source.cache_limit or lower data.source.shuffle_block"
+                )
+        return order
 
     def __getstate__(self):
         skip = ("_fds", "_touched", "_tlocks", "_lock_pid")

@@ -1,7 +1,16 @@
-"""Where sample bytes come from: `remote` (every read hits the remote) or `cached` (node-local cache).
+"""Where sample bytes come from: the `data.source` node's class, built with hydra.utils.instantiate.
 
-A source is what `data.backend` selects (goodput.data.loader.SOURCES; shards: goodput.data.shards):
-one class per option, same methods, so the dataset and the loop never ask which one they have.
+`RemoteSource` (`data=remote`: every read hits the remote), `CachedSource` (`data=cached`: node-local
+cache + sampler-aware prefetch) and `goodput.data.shards.ShardSource` (`data=shards`). A source of
+your own subclasses one of them. The loader and the job talk to every source through the same
+methods, so they never ask which one they have:
+
+- `prepare(data_cfg, open_storage, ensure_dataset)` (class method): once per job, before any rank
+  starts (the shards source packs the dataset there);
+- `open(split, dataset)`: list a split, return its file list (`goodput.data.dataset.ImageFolder`'s
+  attributes); `order(files, global_batch_size, seed, window_steps)`: the global sample order over
+  it, checked against what the source must keep at hand for `window_steps` steps;
+- `read(rel)`, `prefetch(rels, protect)`, `stats()`, `close()`: while training.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -16,17 +26,36 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from goodput.data.config import DataConfig
+from goodput.data.dataset import open_dataset
+from goodput.data.sampler import GlobalOrder
 from goodput.storage import Storage, atomic_write
 
 log = logging.getLogger(__name__)
 
 
 class RemoteSource:
-    """The baseline: every access reads the file from the remote (latency and bandwidth paid each time)."""
+    """The baseline: every access reads the file from the remote (latency and bandwidth paid each
+    time). No options. Built per split by the loader with the data root's storage and the node cache
+    dir (where the split's listing is kept; the files themselves are not)."""
 
-    def __init__(self, storage: Storage, **_):
-        self.storage = storage
+    def __init__(self, storage: Storage | None = None, cache_dir: str | None = None):
+        self.storage, self.cache_dir = storage, cache_dir
+
+    @classmethod
+    def prepare(cls, data_cfg: dict, open_storage, ensure_dataset) -> None:
+        """Once per job, before any rank starts: the dataset at `data.root` must exist (the demo data
+        is generated there by `ensure_dataset()`). `open_storage(url)` opens a root through the
+        `storage` node."""
+        ensure_dataset()
+
+    def open(self, split: str, dataset: dict | None = None):
+        """The file list of `split`, listed by the `data.dataset` node's class."""
+        return open_dataset(dataset, self.storage, split, self.cache_dir)
+
+    def order(self, files, global_batch_size: int, seed: int, window_steps: int) -> GlobalOrder:
+        """The global sample order (a full shuffle per epoch). `window_steps`: steps the loader
+        prefetches ahead, for sources that must hold them (nothing here)."""
+        return GlobalOrder(len(files), global_batch_size, seed)
 
     def read(self, rel: str) -> tuple[bytes, bool, int]:
         """Returns (bytes, cache_hit, bytes_fetched_from_remote)."""
@@ -43,7 +72,7 @@ class RemoteSource:
         pass
 
 
-class CachedSource:
+class CachedSource(RemoteSource):
     """Node-local cache in front of the remote, with sampler-aware prefetch and an LRU byte budget.
 
     - A fill is temp file + rename, so a crash never leaves a partial file that is later served.
@@ -58,15 +87,24 @@ class CachedSource:
 
     def __init__(
         self,
-        storage: Storage,
-        cache_dir: str,
-        prefetch_threads: int = DataConfig.prefetch_threads,
+        storage: Storage | None = None,
+        cache_dir: str | None = None,
+        prefetch_threads: int = 16,
         cache_limit: int | None = None,
-        **_,
     ):
-        self.storage = storage
-        ns = hashlib.sha1(storage.root.encode()).hexdigest()[:12]
-        self.dir = os.path.join(os.path.abspath(cache_dir), ns)
+        """`prefetch_threads` (`data.source.prefetch_threads`): downloads in flight. To keep up, at
+        least files per step per node x per-file latency / step time (for example 128 files x 5 ms /
+        0.1 s = 7); more only adds idle threads and request rate at the remote.
+
+        `cache_limit` (`data.source.cache_limit`): byte budget of the node cache; null = unlimited.
+        Least recently used files are evicted first, never one inside any rank's look-ahead window.
+        A budget below the dataset re-downloads evicted files every epoch; it must hold
+        (data.prefetch_steps + 1) global batches of files (checked at start)."""
+        if prefetch_threads < 1:
+            raise ValueError(f"data.source.prefetch_threads must be >= 1, got {prefetch_threads}")
+        if cache_limit is not None and cache_limit <= 0:
+            raise ValueError(f"data.source.cache_limit must be > 0 bytes or null, got {cache_limit}")
+        super().__init__(storage, cache_dir)
         self.prefetch_threads = prefetch_threads
         self.cache_limit = cache_limit
         self._pool: ThreadPoolExecutor | None = None
@@ -78,6 +116,27 @@ class CachedSource:
         self._last_scan = 0.0
         self._approx_bytes = None
         self._fill_fd, self._fill_pid, self._stripes = None, None, []
+
+    @functools.cached_property
+    def dir(self) -> str:
+        """This remote root's cache on the node (computed on first use: the storage may be rebound
+        by `open`, as the shards source does)."""
+        ns = hashlib.sha1(self.storage.root.encode()).hexdigest()[:12]
+        return os.path.join(os.path.abspath(self.cache_dir), ns)
+
+    def order(self, files, global_batch_size: int, seed: int, window_steps: int) -> GlobalOrder:
+        if self.cache_limit is not None:
+            # The protected window is every rank's files for window_steps + 1 steps: a budget below
+            # that would have to evict files that are about to be read.
+            largest = sorted(files.sizes, reverse=True)[: (window_steps + 1) * global_batch_size]
+            if self.cache_limit < sum(largest):
+                raise ValueError(
+                    f"data.source.cache_limit={self.cache_limit} bytes is smaller than one look-ahead "
+                    f"window (data.prefetch_steps={window_steps} + 1 steps of {global_batch_size} files, "
+                    f"up to {sum(largest)} bytes here): raise data.source.cache_limit or lower "
+                    f"data.prefetch_steps"
+                )
+        return super().order(files, global_batch_size, seed, window_steps)
 
     _LOCAL = ("_pool", "_lock", "_inflight", "_fill_fd", "_fill_pid", "_stripes")
 
@@ -111,7 +170,7 @@ class CachedSource:
             raise OSError(
                 errno.ENOSPC,
                 f"cache disk full at {self.dir} while caching {rel}: free space there, or set "
-                f"data.cache_limit below the free space so older files are evicted",
+                f"data.source.cache_limit below the free space so older files are evicted",
             ) from e
         return data, len(data)
 
