@@ -598,7 +598,7 @@ def main() -> int:
     p.add_argument("--s3-steps", type=int, default=0, help="steps per S3 row; 0 = one epoch")
     p.add_argument("--s3-rows", default="", help="comma list of substrings: run only matching S3 rows")
     p.add_argument("--shard-mb", type=float, default=4.0, help="shard size, ours and MDS alike")
-    p.add_argument("--shuffle-block", type=int, default=4, help="data.source.shuffle_block for the shards rows")
+    p.add_argument("--shuffle-block", type=int, default=4, help="data.source.shuffle_block, shards rows")
     p.add_argument("--shard-threads", type=int, default=4, help="prefetch threads of the shards rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/bench", help="JSON, PNG and scratch space go here")

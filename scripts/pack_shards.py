@@ -9,15 +9,10 @@ packs it into <root>-shards on first use instead.
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
-
-from goodput.data.shards import DEFAULT_SHARD_BYTES, INDEX, pack  # noqa: E402
-from goodput.storage import Storage  # noqa: E402
+from goodput.data.shards import DEFAULT_SHARD_BYTES, INDEX, pack
+from goodput.storage import Storage
 
 
 def main() -> None:

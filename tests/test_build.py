@@ -131,6 +131,22 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
+def test_scripts_import_the_installed_package_without_path_edits():
+    """No script edits sys.path (nothing in scripts/ shadows the package any more); the one that did
+    runs from a fresh interpreter outside the repo (`--help` imports everything it needs)."""
+    import subprocess
+    import sys
+
+    for script in sorted((REPO / "scripts").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        edits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
+                 and isinstance(n.value, ast.Name) and n.value.id == "sys"]  # fmt: skip
+        assert not edits, f"{script.name} touches sys.path at lines {edits}"
+    script = str(REPO / "scripts" / "pack_shards.py")
+    p = subprocess.run([sys.executable, script, "--help"], cwd="/", capture_output=True)
+    assert p.returncode == 0 and b"--src" in p.stdout, p.stderr.decode()[-500:]
+
+
 def _readers(key: str, attribute: bool = True) -> set[str]:
     """Modules that read `key` as a subscript (`node["key"]`) or, optionally, an attribute (`cfg.key`)."""
     out = set()
