@@ -1,0 +1,470 @@
+"""Every key of every group option is read by the code that runs a job, and by one component.
+
+For each option of each group (on top of experiment=smoke), the real job runs in this process:
+`goodput.job.prepare` (validate, demo data, run lock, MLflow run) and `goodput.launch.launch` (worker:
+build, resume, a few loop steps with checkpoints, summary), then a second job on the same root that
+resumes the first one's checkpoint. The resolved config those functions get is a recording tree;
+the schema dataclasses built from it record attribute reads. A read is attributed to the module of
+the Python frame that makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import sys
+from collections import defaultdict
+
+import pytest
+from conftest import REPO
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_object
+from omegaconf import OmegaConf
+
+from goodput import job, launch, worker
+from goodput.config import SCHEMAS
+from goodput.parallel import LAUNCHER_ENV
+
+CONF = REPO / "conf"
+META = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}  # Hydra's instructions to instantiate
+
+
+# -- recording ----------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self):
+        self.reads: dict[tuple, set[str]] = defaultdict(set)  # key path -> reading modules
+        self.plumbing: dict[tuple, set[str]] = defaultdict(set)
+
+    def note(self, path: tuple, frame) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("goodput"):
+            # Third-party code reading a node we handed it (hydra's instantiate copies the node
+            # whole; json, OmegaConf): the node-level read by goodput already counts.
+            return
+        if module == "goodput.config" or frame.f_code.co_name == "__post_init__":
+            # Validation: goodput.config.validate/build and the schemas' own checks read a key to
+            # refuse a bad value, which makes nothing happen. A key read only there is dead.
+            self.plumbing[path].add(module)
+        else:
+            self.reads[path].add(module)
+
+
+REC: Recorder | None = None
+
+
+def _wrap(value, path: tuple):
+    if isinstance(value, dict) and not isinstance(value, Node):
+        return Node({k: _wrap(v, (*path, k)) for k, v in value.items()}, path)
+    if isinstance(value, list):  # a plain list (OmegaConf takes no subclass); its nodes record
+        return [_wrap(v, (*path, i)) for i, v in enumerate(value)]
+    return value
+
+
+class Node(dict):
+    """A config node that records point reads (`node[k]`, `node.get(k)`, `k in node`) of its keys.
+
+    Children are stored already wrapped, and keys()/items()/iteration are dict's own: bulk access
+    (`**node`, `dict(node)`, iteration, hashing and logging the whole config) hands the node on
+    without counting as a read of each key; a node handed to a constructor whole is counted where
+    its fields are read (a schema instance, below) or, for a `_target_` node, as its target's
+    parameters."""
+
+    __slots__ = ("_path",)
+
+    def __init__(self, items=(), path: tuple = ()):
+        super().__init__(items)
+        self._path = path
+
+    def _note(self, key):
+        if REC is not None:
+            REC.note((*self._path, key), sys._getframe(2))
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._note(key)
+        return super().__contains__(key)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, _wrap(value, (*self._path, key)))
+
+    def __copy__(self):
+        return Node(dict.items(self), self._path)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return Node({k: copy.deepcopy(v, memo) for k, v in dict.items(self)}, self._path)
+
+    def __reduce__(self):  # pickled for another process: a plain dict (nothing records there)
+        return dict, (dict(self),)
+
+
+def _schema_paths() -> dict[type, tuple]:
+    return {schema: tuple(group.split("/")) for group, schema in SCHEMAS.items()}
+
+
+def _instrument_schemas(monkeypatch) -> None:
+    """Attribute reads of schema instances count as reads of `<group>.<field>`. Only instances built
+    with arguments (from a config node) record: a schema built from its defaults alone reads no key."""
+    tracked: list = []  # instances kept alive, so their ids stay unique
+    ids: set[int] = set()
+    for schema, path in _schema_paths().items():
+        names = {f.name for f in dataclasses.fields(schema)}
+        init, getattribute = schema.__init__, schema.__getattribute__
+
+        def __init__(self, *a, _init=init, **kw):
+            _init(self, *a, **kw)
+            if a or kw:
+                tracked.append(self)
+                ids.add(id(self))
+
+        def __getattribute__(self, name, _get=getattribute, _names=names, _path=path):
+            if REC is not None and name in _names and id(self) in ids:
+                REC.note((*_path, name), sys._getframe(1))
+            return _get(self, name)
+
+        monkeypatch.setattr(schema, "__init__", __init__)
+        monkeypatch.setattr(schema, "__getattribute__", __getattribute__)
+
+
+def _let_omegaconf_take_nodes(monkeypatch) -> None:
+    """OmegaConf accepts only an exact `dict` as a plain mapping; a Node is one (a bulk read)."""
+    import omegaconf
+
+    for name in ("_utils", "omegaconf", "dictconfig", "basecontainer"):
+        mod = getattr(omegaconf, name)
+        original = mod.is_primitive_dict
+        monkeypatch.setattr(
+            mod, "is_primitive_dict", lambda obj, _o=original: isinstance(obj, Node) or _o(obj)
+        )
+
+
+def _instrument_conversions(monkeypatch) -> None:
+    """goodput.job and goodput.data.augment turn a config into a fresh plain dict with
+    OmegaConf.to_container before reading it: when a goodput module converts, the result records too,
+    rooted at the config's top (both convert a tree rooted there; a sub-tree converted on its own
+    gets paths that match no key, so it can only fail to count, never count wrongly)."""
+    original = OmegaConf.to_container
+
+    def to_container(cfg, *a, **kw):
+        out = original(cfg, *a, **kw)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return _wrap(out, ()) if caller.startswith("goodput") else out
+
+    monkeypatch.setattr(OmegaConf, "to_container", staticmethod(to_container))
+
+
+# -- the job ------------------------------------------------------------------------------------
+def _compose(overrides, hydra=False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def _fake_elastic(lc, fn):
+    """The elastic agent's launch, in this process: one worker, world size 1 (the agent's own
+    reading of LaunchConfig is torch's business; goodput.launch reads the keys to build it)."""
+    return lambda *args: {0: fn(*args)}
+
+
+def run_job(root, overrides) -> dict | None:
+    cfg = _compose(["experiment=smoke", f"paths.root={root}", *overrides])
+    c, lock = job.prepare(cfg, str(root / "run"))
+    try:
+        return launch.launch(c)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The instruments, and the process-wide state a worker sets (threads, determinism, logging)
+    put back afterwards, for the tests that run after these in the same process."""
+    import logging
+
+    import torch
+    import torch.distributed.launcher.api as elastic_api
+
+    global REC
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(elastic_api, "elastic_launch", _fake_elastic)
+    monkeypatch.setattr(launch, "preload_forkserver", lambda: None)  # process-wide state
+    monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)  # process-wide state
+    monkeypatch.setattr(worker, "plot", lambda *a: None)  # draws goodput.png from numbers: 0.3 s a job
+    _instrument_schemas(monkeypatch)
+    _instrument_conversions(monkeypatch)
+    _let_omegaconf_take_nodes(monkeypatch)
+    root = logging.getLogger()
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        root.level,
+        root.handlers[:],
+    )
+    REC = Recorder()
+    try:
+        yield REC
+    finally:
+        REC = None
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+        root.setLevel(saved[2])
+        root.handlers[:] = saved[3]
+
+
+# -- what the records say -----------------------------------------------------------------------
+def leaves(node, path: tuple = ()):
+    """Key paths of a plain config tree; a list holding nodes (augment.train) is walked by index."""
+    if isinstance(node, dict) and node:
+        for k, v in dict.items(node):
+            yield from leaves(v, (*path, k))
+    elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
+        for i, v in enumerate(node):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b.c}; resolvers (${oc.env:..}, ${now:..}) are not keys
+
+
+def derived_from(cfg) -> dict[tuple, set[tuple]]:
+    """key path -> the key paths whose value interpolates it (Hydra's own config included)."""
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    out = defaultdict(set)
+    for path in leaves(raw):
+        value = _at(raw, path)
+        if isinstance(value, str):
+            for ref in REF.findall(value):
+                out[tuple(ref.split("."))].add(path)
+    return out
+
+
+class Consumption:
+    def __init__(self, c: dict, rec: Recorder, derived: dict):
+        self.c, self.reads, self.derived = c, rec.reads, derived
+
+    def _handed(self, node_path: tuple) -> bool:
+        """A node reaches its code whole: read as a node, or inside a list that was read."""
+        return node_path in self.reads or (
+            bool(node_path) and isinstance(node_path[-1], int) and node_path[:-1] in self.reads
+        )
+
+    def target(self, path: tuple) -> str | None:
+        """The module of the `_target_` whose parameter this key is, if its node was handed on.
+        Hydra's instantiate passes every key of the node as an argument: the target consumes it."""
+        parent = path[:-1]
+        node = _at(self.c, parent) if parent else None
+        if not (isinstance(node, dict) and "_target_" in node and self._handed(parent)):
+            return None
+        fn = get_object(dict.__getitem__(node, "_target_"))
+        if path[-1] in META:
+            return fn.__module__
+        p = inspect.signature(fn).parameters.get(path[-1])
+        named = p is not None and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        return fn.__module__ if named else None  # into **kwargs: must be shown read where it lands
+
+    def consumers(self, path: tuple) -> set[str]:
+        out = set(self.reads.get(path, ()))
+        if (t := self.target(path)) is not None:
+            out.add(t)
+        return out
+
+    def consumed(self, path: tuple, seen=()) -> bool:
+        """Read, or a `_target_`'s argument, or interpolated into a key that is consumed; Hydra
+        consumes its own config (paths.run_dir is hydra.run.dir's)."""
+        if path[0] == "hydra" or self.consumers(path):
+            return True
+        return any(q not in seen and self.consumed(q, (*seen, path)) for q in self.derived.get(path, ()))
+
+
+# -- the groups ---------------------------------------------------------------------------------
+def _options() -> list[tuple[str, str]]:
+    """Every option of every group: the files under conf/<group>/, and `base` for the groups whose
+    only option is their schema (run, trainer, dataset, storage, mlflow). `hydra` is Hydra's own
+    config (consumed by Hydra; hydra/launcher=slurm is composed in test_config); `experiment`
+    files set other groups' keys (test_every_key_an_experiment_sets_is_consumed)."""
+    out = set()
+    for f in CONF.rglob("*.yaml"):
+        group = f.parent.relative_to(CONF).as_posix()
+        if group != "." and group.split("/")[0] not in ("hydra", "experiment"):
+            out.add((group, f.stem))
+    out |= {(g, "base") for g in SCHEMAS if not (CONF / g).is_dir()}
+    return sorted(out)
+
+
+def group_keys(c: dict, group: str) -> list[tuple]:
+    """The key paths of one group's node, without a nested group's (optim/schedule inside optim)."""
+    path = tuple(group.split("/"))
+    nested = [tuple(g.split("/")) for g in SCHEMAS if g != group and g.startswith(group + "/")]
+    return [path + p for p in leaves(_at(c, path)) if not any((path + p)[: len(n)] == n for n in nested)]
+
+
+# Code paths that a fresh job does not take, run after it on the same root (the checked group's option
+# stays selected); a key read only on such a path is not dead, it is conditional. Each entry: the
+# overrides, and whether every checkpoint upload fails (a test-side fault: no config key makes one).
+EXTRA_RUNS = {
+    # run.resume (and trainer.max_steps, in goodput.job) are read on a relaunch that finds a commit;
+    # run.overwrite only when run.resume=none finds checkpoints to discard.
+    "run": [(["trainer.max_steps=6"], False), (["run.resume=none", "run.overwrite=true"], False)],
+    "trainer": [(["trainer.max_steps=6"], False)],
+    # parallel.rdzv_*: only when the elastic agent starts (max_restarts > 0 or several processes).
+    "parallel": [(["parallel.max_restarts=1", "trainer.max_steps=6"], False)],
+    # checkpoint.on_error: only when a save fails.
+    "checkpoint": [(["checkpoint.on_error=continue", "trainer.max_steps=6"], True)],
+}
+
+
+def _failing_uploads(monkeypatch) -> None:
+    from goodput.checkpoint.manager import CheckpointManager
+
+    def _put(self, *a, **kw):
+        raise OSError("injected by test_keys: the upload fails")
+
+    monkeypatch.setattr(CheckpointManager, "_put", _put)
+
+
+def record_jobs(root, overrides, group: str, mlflow_uri: str, monkeypatch) -> tuple[dict, dict]:
+    """A fresh job (4 steps: a checkpoint, the summary), then the group's EXTRA_RUNS, all recorded.
+    Returns the plain resolved config and its interpolations."""
+    common = [*overrides, f"mlflow.tracking_uri={mlflow_uri}"]
+    run_job(root, [*common, "trainer.max_steps=4"])
+    for extra, failing in EXTRA_RUNS.get(group, []):
+        with monkeypatch.context() as m:
+            if failing:
+                _failing_uploads(m)
+            run_job(root, [*common, *extra])
+    cfg = _compose(["experiment=smoke", f"paths.root={root}", *common, "trainer.max_steps=4"], hydra=True)
+    derived = derived_from(cfg)
+    OmegaConf.set_struct(cfg, False)
+    del cfg["hydra"]  # the job's config is without it (no key of the job interpolates Hydra's)
+    return OmegaConf.to_container(cfg, resolve=True), derived
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    """One MLflow store for the module (creating one costs a second); the key is read all the same."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+# -- what the current code does: found by this test, asserted exactly ------------------------------
+# A key that no code reads under these options. Remove an entry when the key goes or gets read.
+KNOWN_DEAD = {
+    # Read only by data=shards (ShardOrder); under cached/remote setting it changes nothing.
+    # Moves into the shards source's own node (data.source) in the data refactor.
+    ("data", "shuffle_block"): {"cached", "remote"},
+}
+
+# A key read by more than one component today: the readers found (a subset of these) and why.
+KNOWN_SHARED = {
+    # the loader's length (build), the loop's bound (loop), "already done" before any worker
+    # (job, on a relaunch), and whether a stop was the end anyway, to requeue (launch).
+    ("trainer", "max_steps"): {"goodput.build", "goodput.loop", "goodput.job", "goodput.launch"},
+    # the MLflow run's name (job) and the commit record's `run` field (build).
+    ("run", "name"): {"goodput.job", "goodput.build"},
+    # an explicit checkpoint is checked before the workers (job); the workers load it (worker).
+    ("run", "resume"): {"goodput.job", "goodput.worker"},
+    # the job starts the MLflow run; rank 0's Tracker logs to it (build).
+    ("mlflow", "tracking_uri"): {"goodput.job", "goodput.build"},
+    # the job creates/checks/packs the data, the builder opens it; data=shards: the packer too.
+    ("data", "root"): {"goodput.job", "goodput.build", "goodput.data.shards"},
+    # the demo data's generation and packing (job, shards) and the source choice (loader).
+    ("data", "backend"): {"goodput.job", "goodput.data.shards", "goodput.data.loader"},
+    # the transforms' size (build passes it to augment.build) and the decoder's (loader).
+    ("data", "image_size"): {"goodput.build", "goodput.data.loader"},
+}
+
+
+def findings(group: str, option: str, c: dict, rec: Recorder, derived: dict) -> dict:
+    """What breaks the rules for one option: dead keys, keys with several readers beyond
+    KNOWN_SHARED, and KNOWN_* entries that no longer hold (so the tables cannot go stale)."""
+    use = Consumption(c, rec, derived)
+    keys = group_keys(c, group)
+    dead = {p for p in keys if not use.consumed(p)}
+    expected_dead = {p for p, opts in KNOWN_DEAD.items() if p in keys and option in opts}
+    shared, stale = {}, []
+    for p in keys:
+        if p[-1] in META:
+            # Hydra's instructions: instantiate reads them. Goodput peeking at `_target_` (to check
+            # that a node is one, or to call the class's check_root) is part of handing it on.
+            continue
+        who = use.consumers(p)
+        if p in KNOWN_SHARED:
+            if len(who) < 2 or not who <= KNOWN_SHARED[p]:
+                stale.append((p, who))
+        elif len(who) > 1:
+            shared[p] = who
+    stale += [("no longer dead", p) for p in expected_dead - dead]
+    return {"dead": dead - expected_dead, "shared": shared, "stale": stale}
+
+
+@pytest.mark.parametrize("group, option", _options())
+def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch, group, option):
+    """(a) every key of the option's group node is read by the job (or feeds, by interpolation, a
+    key that is), and (b) the modules reading it, validation and bulk hand-offs aside, are one."""
+    c, derived = record_jobs(tmp_path, [f"{group}={option}"], group, mlflow_uri, monkeypatch)
+    assert group_keys(c, group), f"{group}={option}: no keys found"
+    f = findings(group, option, c, recorded, derived)
+    assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])}"
+    assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
+    assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED no longer hold: {f['stale']}"
+
+
+def test_every_key_an_experiment_sets_is_consumed(recorded, tmp_path, mlflow_uri, monkeypatch):
+    """An experiment file (`@package _global_`) sets other groups' keys: each must be consumed (the
+    values differ between presets; which keys are read does not, for these keys)."""
+    c, derived = record_jobs(tmp_path, [], "experiment", mlflow_uri, monkeypatch)
+    use = Consumption(c, recorded, derived)
+    for f in sorted((CONF / "experiment").glob("*.yaml")):
+        keys = list(leaves(OmegaConf.to_container(OmegaConf.load(f))))
+        assert keys and not [p for p in keys if not use.consumed(p)], f"{f.name}: keys nothing reads"
+
+
+# -- the test can fail ----------------------------------------------------------------------------
+def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_uri, monkeypatch):
+    """A schema field no code reads is reported dead; a key that a second module starts reading is
+    reported with both readers."""
+    from hydra.core.config_store import ConfigStore
+
+    from goodput import loop
+    from goodput.loop import TrainerConfig
+
+    @dataclasses.dataclass
+    class Planted(TrainerConfig):
+        planted: int = 3
+        """A setting nobody reads."""
+
+    def train(t, _original=loop.train):  # run with goodput.loop's globals: a read "by goodput.loop"
+        t.cfg["trainer"]["log_every_n_steps"]  # already read by goodput.loop: not a second reader
+        t.cfg["trainer"]["num_threads"]  # read by goodput.worker
+        return _original(t)
+
+    second = type(train)(train.__code__, vars(loop), "train", train.__defaults__)
+    monkeypatch.setattr(loop, "train", second)
+    monkeypatch.setitem(SCHEMAS, "trainer", Planted)
+    _instrument_schemas(monkeypatch)  # (the fixture instrumented the real schemas)
+    cs = ConfigStore.instance()
+    cs.store(group="trainer", name="base", node=Planted)
+    try:
+        c, derived = record_jobs(tmp_path, [], "trainer", mlflow_uri, monkeypatch)
+    finally:
+        cs.store(group="trainer", name="base", node=TrainerConfig)
+    f = findings("trainer", "base", c, recorded, derived)
+    assert f["dead"] == {("trainer", "planted")}
+    assert f["shared"] == {("trainer", "num_threads"): {"goodput.worker", "goodput.loop"}}
+    assert not f["stale"]
