@@ -1,11 +1,29 @@
 """Every key of every group option is read by the code that runs a job, and by one component.
 
-For each option of each group (on top of experiment=smoke), the real job runs in this process:
-`goodput.job.prepare` (validate, demo data, run lock, MLflow run) and `goodput.launch.launch` (worker:
-build, resume, a few loop steps with checkpoints, summary), then a second job on the same root that
-resumes the first one's checkpoint. The resolved config those functions get is a recording tree;
-the schema dataclasses built from it record attribute reads. A read is attributed to the module of
-the Python frame that makes it.
+For each option of each group, on top of experiment=smoke with paths.root in tmp, the real job runs
+in this process: `goodput.job.prepare` (validate, demo data, run lock, MLflow run) and
+`goodput.launch.launch` (one rank: build, resume, 4 loop steps, a checkpoint, the summary), plus
+the few extra runs a group's conditional keys need (EXTRA_RUNS). The resolved config those
+functions get is a recording tree (Node); the schema dataclasses built from it record attribute
+reads. A read of key K is attributed to the module of the Python frame that makes it.
+
+K is consumed by module M when
+- a frame of M reads K: `node["k"]`, `node.get("k")`, `"k" in node`, or `cfg.k` on a schema
+  instance built from K's node;
+- K is an argument of a `_target_` node that some goodput code read (handed on): M is the target's
+  module, and K must be a named parameter of the target (a key that lands in **kwargs must be read
+  where it lands: the storage node's keys are StorageConfig's fields, read in goodput.storage).
+K is consumed without a reader of its own when it is interpolated into a key that is consumed
+(paths.* into data.root, checkpoint.dir, ...; data.image_size into dataset.image_size), or into
+Hydra's own config (paths.run_dir is hydra.run.dir).
+
+Not reads (plumbing), each for the reason given where it is excluded:
+- bulk access to a node (iteration, `**node`, copying, json, OmegaConf.create, instantiate's own
+  copy): handing a node on whole, logging it (summary.json), hashing it (config_hash), MLflow params;
+- reads by goodput.config (validate) and by a schema's __post_init__: validation;
+- reads by third-party frames and by a dataclass's generated methods (__repr__, __eq__);
+- reading a whole node (not a key): it only makes a `_target_` node's arguments count;
+- rule (b) skips Hydra's meta keys (`_target_`, `_partial_`): instantiate's, not a component's.
 """
 
 from __future__ import annotations
@@ -38,7 +56,8 @@ class Recorder:
 
     def note(self, path: tuple, frame) -> None:
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith("goodput"):
+        if not module.startswith("goodput") or frame.f_code.co_filename == "<string>":
+            # ("<string>": a dataclass's generated __repr__/__eq__, which read every field at once.)
             # Third-party code reading a node we handed it (hydra's instantiate copies the node
             # whole; json, OmegaConf): the node-level read by goodput already counts.
             return
@@ -98,6 +117,8 @@ class Node(dict):
     def __copy__(self):
         return Node(dict.items(self), self._path)
 
+    copy = __copy__
+
     def __deepcopy__(self, memo):
         import copy
 
@@ -111,20 +132,22 @@ def _schema_paths() -> dict[type, tuple]:
     return {schema: tuple(group.split("/")) for group, schema in SCHEMAS.items()}
 
 
-def _instrument_schemas(monkeypatch) -> None:
+def _instrument_schemas(monkeypatch, only: tuple = ()) -> None:
     """Attribute reads of schema instances count as reads of `<group>.<field>`. Only instances built
     with arguments (from a config node) record: a schema built from its defaults alone reads no key."""
     tracked: list = []  # instances kept alive, so their ids stay unique
     ids: set[int] = set()
     for schema, path in _schema_paths().items():
+        if only and schema not in only:
+            continue
         names = {f.name for f in dataclasses.fields(schema)}
         init, getattribute = schema.__init__, schema.__getattribute__
 
         def __init__(self, *a, _init=init, **kw):
-            _init(self, *a, **kw)
-            if a or kw:
+            if a or kw:  # before __post_init__ runs, so that validation reads are seen (as such)
                 tracked.append(self)
                 ids.add(id(self))
+            _init(self, *a, **kw)
 
         def __getattribute__(self, name, _get=getattribute, _names=names, _path=path):
             if REC is not None and name in _names and id(self) in ids:
@@ -420,7 +443,8 @@ def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch,
     c, derived = record_jobs(tmp_path, [f"{group}={option}"], group, mlflow_uri, monkeypatch)
     assert group_keys(c, group), f"{group}={option}: no keys found"
     f = findings(group, option, c, recorded, derived)
-    assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])}"
+    only_checked = {p: sorted(recorded.plumbing[p]) for p in f["dead"] if p in recorded.plumbing}
+    assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])} ({only_checked=})"
     assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
     assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED no longer hold: {f['stale']}"
 
@@ -457,7 +481,7 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     second = type(train)(train.__code__, vars(loop), "train", train.__defaults__)
     monkeypatch.setattr(loop, "train", second)
     monkeypatch.setitem(SCHEMAS, "trainer", Planted)
-    _instrument_schemas(monkeypatch)  # (the fixture instrumented the real schemas)
+    _instrument_schemas(monkeypatch, only=(Planted,))
     cs = ConfigStore.instance()
     cs.store(group="trainer", name="base", node=Planted)
     try:
@@ -468,3 +492,11 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     assert f["dead"] == {("trainer", "planted")}
     assert f["shared"] == {("trainer", "num_threads"): {"goodput.worker", "goodput.loop"}}
     assert not f["stale"]
+
+
+def test_the_tables_name_schema_keys():
+    """A KNOWN_* entry for a key that no schema has any more (renamed, moved into another node) is
+    stale: remove it."""
+    for path in [*KNOWN_DEAD, *KNOWN_SHARED]:
+        schema = SCHEMAS["/".join(path[:-1])]
+        assert path[-1] in {f.name for f in dataclasses.fields(schema)}, f"{'.'.join(path)}: no such key"
