@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
 import sys
 from collections import defaultdict
@@ -220,6 +221,11 @@ def recorded(monkeypatch):
     for k in LAUNCHER_ENV:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(elastic_api, "elastic_launch", _fake_elastic)
+    # Which keys are read does not depend on the device. On CPU, as in CI: validate then allows
+    # parallel=ddp|fsdp's 2 processes here even where one GPU would be the limit.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(os, "cpu_count", lambda: max(2, cpus))
     monkeypatch.setattr(launch, "preload_forkserver", lambda: None)  # process-wide state
     monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)  # process-wide state
     monkeypatch.setattr(worker, "plot", lambda *a: None)  # draws goodput.png from numbers: 0.3 s a job
@@ -387,11 +393,7 @@ def mlflow_uri(tmp_path_factory):
 
 # -- what the current code does: found by this test, asserted exactly ------------------------------
 # A key that no code reads under these options. Remove an entry when the key goes or gets read.
-KNOWN_DEAD = {
-    # Read only by data=shards (ShardOrder); under cached/remote setting it changes nothing.
-    # Moves into the shards source's own node (data.source) in the data refactor.
-    ("data", "shuffle_block"): {"cached", "remote"},
-}
+KNOWN_DEAD: dict[tuple, set[str]] = {}  # key path -> the options under which nothing reads it
 
 # A key read by more than one component today: the readers found (a subset of these) and why.
 KNOWN_SHARED = {
@@ -406,8 +408,6 @@ KNOWN_SHARED = {
     ("mlflow", "tracking_uri"): {"goodput.job", "goodput.build"},
     # the job creates/checks/packs the data, the builder opens it; data=shards: the packer too.
     ("data", "root"): {"goodput.job", "goodput.build", "goodput.data.shards"},
-    # the demo data's generation and packing (job, shards) and the source choice (loader).
-    ("data", "backend"): {"goodput.job", "goodput.data.shards", "goodput.data.loader"},
     # the transforms' size (build passes it to augment.build) and the decoder's (loader).
     ("data", "image_size"): {"goodput.build", "goodput.data.loader"},
 }
