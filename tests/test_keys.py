@@ -46,6 +46,7 @@ from goodput.config import SCHEMAS
 from goodput.parallel import LAUNCHER_ENV
 
 CONF = REPO / "conf"
+ROOT_KEYS = [(k,) for k in OmegaConf.load(CONF / "train.yaml") if k != "defaults"]  # seed
 META = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}  # Hydra's instructions to instantiate
 
 
@@ -327,7 +328,7 @@ def _options() -> list[tuple[str, str]]:
     """Every option of every group: the files under conf/<group>/, and `base` for the groups whose
     only option is their schema (run, trainer, dataset, storage, mlflow). `hydra` is Hydra's own
     config (consumed by Hydra; hydra/launcher=slurm is composed in test_config); `experiment`
-    files set other groups' keys (test_every_key_an_experiment_sets_is_consumed)."""
+    files set other groups' keys (test_the_root_file_and_the_experiments)."""
     out = set()
     for f in CONF.rglob("*.yaml"):
         group = f.parent.relative_to(CONF).as_posix()
@@ -410,14 +411,16 @@ KNOWN_SHARED = {
     ("data", "root"): {"goodput.job", "goodput.build", "goodput.data.shards"},
     # the transforms' size (build passes it to augment.build) and the decoder's (loader).
     ("data", "image_size"): {"goodput.build", "goodput.data.loader"},
+    # conf/train.yaml: weights, sample order, augmentation, RNG state (build); and the schedule
+    # of fault.mtbf_seconds' random kills (worker), which has no seed of its own.
+    ("seed",): {"goodput.build", "goodput.worker"},
 }
 
 
-def findings(group: str, option: str, c: dict, rec: Recorder, derived: dict) -> dict:
-    """What breaks the rules for one option: dead keys, keys with several readers beyond
-    KNOWN_SHARED, and KNOWN_* entries that no longer hold (so the tables cannot go stale)."""
+def findings(keys: list[tuple], option: str, c: dict, rec: Recorder, derived: dict) -> dict:
+    """What breaks the rules for these keys under one option: dead keys, keys with several readers
+    beyond KNOWN_SHARED, and KNOWN_* entries that no longer hold (so the tables cannot go stale)."""
     use = Consumption(c, rec, derived)
-    keys = group_keys(c, group)
     dead = {p for p in keys if not use.consumed(p)}
     expected_dead = {p for p, opts in KNOWN_DEAD.items() if p in keys and option in opts}
     shared, stale = {}, []
@@ -442,17 +445,20 @@ def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch,
     key that is), and (b) the modules reading it, validation and bulk hand-offs aside, are one."""
     c, derived = record_jobs(tmp_path, [f"{group}={option}"], group, mlflow_uri, monkeypatch)
     assert group_keys(c, group), f"{group}={option}: no keys found"
-    f = findings(group, option, c, recorded, derived)
+    f = findings(group_keys(c, group), option, c, recorded, derived)
     only_checked = {p: sorted(recorded.plumbing[p]) for p in f["dead"] if p in recorded.plumbing}
     assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])} ({only_checked=})"
     assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
     assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED no longer hold: {f['stale']}"
 
 
-def test_every_key_an_experiment_sets_is_consumed(recorded, tmp_path, mlflow_uri, monkeypatch):
-    """An experiment file (`@package _global_`) sets other groups' keys: each must be consumed (the
-    values differ between presets; which keys are read does not, for these keys)."""
+def test_the_root_file_and_the_experiments(recorded, tmp_path, mlflow_uri, monkeypatch):
+    """conf/train.yaml's own keys (seed) follow the two rules. An experiment file (`@package
+    _global_`) sets other groups' keys: each must be consumed (the values differ between presets;
+    which keys are read does not, for these keys)."""
     c, derived = record_jobs(tmp_path, [], "experiment", mlflow_uri, monkeypatch)
+    f = findings(ROOT_KEYS, "", c, recorded, derived)
+    assert f == {"dead": set(), "shared": {}, "stale": []}, f"conf/train.yaml: {f}"
     use = Consumption(c, recorded, derived)
     for f in sorted((CONF / "experiment").glob("*.yaml")):
         keys = list(leaves(OmegaConf.to_container(OmegaConf.load(f))))
@@ -488,7 +494,7 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
         c, derived = record_jobs(tmp_path, [], "trainer", mlflow_uri, monkeypatch)
     finally:
         cs.store(group="trainer", name="base", node=TrainerConfig)
-    f = findings("trainer", "base", c, recorded, derived)
+    f = findings(group_keys(c, "trainer"), "base", c, recorded, derived)
     assert f["dead"] == {("trainer", "planted")}
     assert f["shared"] == {("trainer", "num_threads"): {"goodput.worker", "goodput.loop"}}
     assert not f["stale"]
@@ -498,5 +504,8 @@ def test_the_tables_name_schema_keys():
     """A KNOWN_* entry for a key that no schema has any more (renamed, moved into another node) is
     stale: remove it."""
     for path in [*KNOWN_DEAD, *KNOWN_SHARED]:
+        if len(path) == 1:
+            assert path in ROOT_KEYS, f"{path[0]}: not a key of conf/train.yaml"
+            continue
         schema = SCHEMAS["/".join(path[:-1])]
         assert path[-1] in {f.name for f in dataclasses.fields(schema)}, f"{'.'.join(path)}: no such key"
