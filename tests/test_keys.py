@@ -24,6 +24,11 @@ Not reads (plumbing), each for the reason given where it is excluded:
 - reads by third-party frames and by a dataclass's generated methods (__repr__, __eq__);
 - reading a whole node (not a key): it only makes a `_target_` node's arguments count;
 - rule (b) skips Hydra's meta keys (`_target_`, `_partial_`): instantiate's, not a component's.
+
+Limits: a read is not an effect. A key read and then handed to code that ignores it counts as
+consumed (data.prefetch_steps under data=remote: the loader computes a look-ahead that
+RemoteSource.prefetch does nothing with). A value passed on as an argument is followed only as far
+as the module that read it from the config.
 """
 
 from __future__ import annotations
