@@ -34,12 +34,12 @@ def data_root(tmp_path_factory):
     return str(root)
 
 
-def loader(root, cache_dir, transform, workers=0):
+def loader(root, cache_dir, node, workers=0):
     cfg = DataConfig(
         source={"_target_": "goodput.data.sources.CachedSource", "prefetch_threads": 4}, root=root,
         cache_dir=str(cache_dir), image_size=16, num_workers=workers, prefetch_factor=2, prefetch_steps=3,
     )  # fmt: skip
-    return ResumableLoader(cfg, Storage(root), 5, 8, STEPS, 0, 1, torch.device("cpu"), transform=transform)
+    return ResumableLoader(cfg, Storage(root), 5, 8, STEPS, 0, 1, torch.device("cpu"), augment=node)
 
 
 def batches(ld, n):
@@ -69,15 +69,16 @@ def test_standard_is_the_pipeline_it_replaced():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_batches_are_identical_for_any_worker_count_and_resume(data_root, tmp_path, preset):
-    train_tf, eval_tf = augment.build(augment_node(preset), 16)
-    ref_loader = loader(data_root, tmp_path / "c", train_tf, workers=0)
+    node = augment_node(preset)
+    train_tf, eval_tf = augment.build(node, 16)
+    ref_loader = loader(data_root, tmp_path / "c", node, workers=0)
     ref = batches(ref_loader, STEPS)  # 10 steps of 8 over 40 samples: two epochs
     ref_loader.close()
-    a = loader(data_root, tmp_path / "c", train_tf, workers=1)
+    a = loader(data_root, tmp_path / "c", node, workers=1)
     first = batches(a, 3)
     sd = a.state_dict()
     a.close()
-    b = loader(data_root, tmp_path / "c", train_tf, workers=2)
+    b = loader(data_root, tmp_path / "c", node, workers=2)
     b.load_state_dict(sd)
     rest = batches(b, STEPS - 3)
     b.close()
@@ -112,13 +113,14 @@ def test_a_custom_list_by_target(tmp_path, data_root):
         "mean: [0.5, 0.5, 0.5]\n"
         "std: [0.5, 0.5, 0.5]\n"
     )
-    train_tf, eval_tf = augment.build(augment_node("digits", conf), 16)
+    node = augment_node("digits", conf)
+    train_tf, eval_tf = augment.build(node, 16)
     assert [type(t).__name__ for t in train_tf.transforms] == [
         "RandomRotation", "Resize", "RandomCrop", "ToDtype", "Normalize",
     ]  # fmt: skip
     assert eval_tf.transforms[-1].std == [0.5, 0.5, 0.5]  # eval normalizes like training
-    a = batches(loader(data_root, tmp_path / "c", train_tf, workers=2), 3)
-    b = batches(loader(data_root, tmp_path / "c", train_tf, workers=0), 3)
+    a = batches(loader(data_root, tmp_path / "c", node, workers=2), 3)
+    b = batches(loader(data_root, tmp_path / "c", node, workers=0), 3)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

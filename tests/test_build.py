@@ -163,18 +163,14 @@ def _readers(key: str, attribute: bool = True) -> set[str]:
 
 def test_a_key_reaches_where_it_acts_in_three_hops():
     """checkpoint.every_n_steps: YAML -> build.checkpoint_manager (passes the node whole) -> the
-    manager's `due()`. data.root: YAML -> job.ensure_data (demo data; the shards packer) or
-    build.Trainer -> Storage. Nothing else reads them, so no path doubles back."""
+    manager's `due()`. data.root: YAML -> job.ensure_data (demo data; opens it for the source's
+    `prepare`, which packs shards) or build.Trainer -> Storage. Nothing else reads them, so no path
+    doubles back (tests/test_keys.py checks every key's readers, this checks the code's text)."""
     assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
     src = (SRC / "goodput" / "build.py").read_text()
     assert "CheckpointConfig(**ck)" in src and 'ck = c["checkpoint"]' in src
-    # node["root"]: the job, the builder, the packer (called by the job); storage's own pickled state.
-    assert _readers("root", attribute=False) == {
-        "goodput.job",
-        "goodput.build",
-        "goodput.data.shards",
-        "goodput.storage",
-    }
+    # node["root"]: the job, the builder; storage's own pickled state. The source gets it opened.
+    assert _readers("root", attribute=False) == {"goodput.job", "goodput.build", "goodput.storage"}
 
 
 # -- the ledger's start-up -----------------------------------------------------------------------

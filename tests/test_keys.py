@@ -7,6 +7,12 @@ the few extra runs a group's conditional keys need (EXTRA_RUNS). The resolved co
 functions get is a recording tree (Node); the schema dataclasses built from it record attribute
 reads. A read of key K is attributed to the module of the Python frame that makes it.
 
+A component is a module, except for the runner: goodput.job (once per job), goodput.launch,
+goodput.build (a rank's components), goodput.worker (the rank) and goodput.loop are one training
+run split by phase, and each reads the keys its phase acts on (trainer.max_steps: "already done?"
+before any worker, the requeue decision, the loader's length, the loop's end). Keys several phases
+read are asserted exactly in PHASES, with the reason for each.
+
 K is consumed by module M when
 - a frame of M reads K: `node["k"]`, `node.get("k")`, `"k" in node`, or `cfg.k` on a schema
   instance built from K's node;
@@ -290,6 +296,13 @@ def derived_from(cfg) -> dict[tuple, set[tuple]]:
     return out
 
 
+RUNNER = {"goodput.job", "goodput.launch", "goodput.build", "goodput.worker", "goodput.loop"}
+
+
+def component(module: str) -> str:
+    return "runner" if module in RUNNER else module
+
+
 class Consumption:
     def __init__(self, c: dict, rec: Recorder, derived: dict):
         self.c, self.reads, self.derived = c, rec.reads, derived
@@ -314,11 +327,16 @@ class Consumption:
         named = p is not None and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
         return fn.__module__ if named else None  # into **kwargs: must be shown read where it lands
 
-    def consumers(self, path: tuple) -> set[str]:
+    def readers(self, path: tuple) -> set[str]:
+        """The modules that consume `path`."""
         out = set(self.reads.get(path, ()))
         if (t := self.target(path)) is not None:
             out.add(t)
         return out
+
+    def consumers(self, path: tuple) -> set[str]:
+        """The components that consume `path`."""
+        return {component(m) for m in self.readers(path)}
 
     def consumed(self, path: tuple, seen=()) -> bool:
         """Read, or a `_target_`'s argument, or interpolated into a key that is consumed; Hydra
@@ -401,23 +419,26 @@ def mlflow_uri(tmp_path_factory):
 # A key that no code reads under these options. Remove an entry when the key goes or gets read.
 KNOWN_DEAD: dict[tuple, set[str]] = {}  # key path -> the options under which nothing reads it
 
-# A key read by more than one component today: the readers found (a subset of these) and why.
-KNOWN_SHARED = {
-    # the loader's length (build), the loop's bound (loop), "already done" before any worker
-    # (job, on a relaunch), and whether a stop was the end anyway, to requeue (launch).
-    ("trainer", "max_steps"): {"goodput.build", "goodput.loop", "goodput.job", "goodput.launch"},
+# A key read by more than one component today: the components found (a subset of these) and why.
+KNOWN_SHARED: dict[tuple, set[str]] = {}
+
+# Keys that several phases of the runner read (one component: not a finding), asserted exactly so
+# that the list stays true: the modules, and why each needs it.
+PHASES = {
+    # "already done?" before any worker (job, on a relaunch), whether a stop was the end anyway, to
+    # requeue (launch), the loader's length (build), the loop's end (loop).
+    ("trainer", "max_steps"): {"goodput.job", "goodput.launch", "goodput.build", "goodput.loop"},
     # the MLflow run's name (job) and the commit record's `run` field (build).
     ("run", "name"): {"goodput.job", "goodput.build"},
-    # an explicit checkpoint is checked before the workers (job); the workers load it (worker).
+    # an explicit checkpoint is checked before the workers start (job); the workers load it (worker).
     ("run", "resume"): {"goodput.job", "goodput.worker"},
     # the job starts the MLflow run; rank 0's Tracker logs to it (build).
     ("mlflow", "tracking_uri"): {"goodput.job", "goodput.build"},
-    # the job creates/checks/packs the data, the builder opens it; data=shards: the packer too.
-    ("data", "root"): {"goodput.job", "goodput.build", "goodput.data.shards"},
-    # the transforms' size (build passes it to augment.build) and the decoder's (loader).
-    ("data", "image_size"): {"goodput.build", "goodput.data.loader"},
-    # conf/train.yaml: weights, sample order, augmentation, RNG state (build); and the schedule
-    # of fault.mtbf_seconds' random kills (worker), which has no seed of its own.
+    # the job creates or checks the data (and hands the opened root to the source's `prepare`),
+    # the builder opens it for the loader.
+    ("data", "root"): {"goodput.job", "goodput.build"},
+    # conf/train.yaml: weights, sample order, augmentation, RNG state (build); and the schedule of
+    # fault.mtbf_seconds' random kills (worker), which has no seed of its own.
     ("seed",): {"goodput.build", "goodput.worker"},
 }
 
@@ -435,6 +456,11 @@ def findings(keys: list[tuple], option: str, c: dict, rec: Recorder, derived: di
             # that a node is one, or to call the class's check_root) is part of handing it on.
             continue
         who = use.consumers(p)
+        phases = use.readers(p) & RUNNER
+        if (len(phases) > 1 or p in PHASES) and phases != PHASES.get(p, phases):
+            stale.append(("runner phases", p, phases))
+        elif len(phases) > 1 and p not in PHASES:
+            stale.append(("runner phases not in PHASES", p, phases))
         if p in KNOWN_SHARED:
             if len(who) < 2 or not who <= KNOWN_SHARED[p]:
                 stale.append((p, who))
@@ -454,7 +480,7 @@ def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch,
     only_checked = {p: sorted(recorded.plumbing[p]) for p in f["dead"] if p in recorded.plumbing}
     assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])} ({only_checked=})"
     assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
-    assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED no longer hold: {f['stale']}"
+    assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED/PHASES no longer hold: {f['stale']}"
 
 
 def test_the_root_file_and_the_experiments(recorded, tmp_path, mlflow_uri, monkeypatch):
@@ -484,12 +510,18 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
         planted: int = 3
         """A setting nobody reads."""
 
-    def train(t, _original=loop.train):  # run with goodput.loop's globals: a read "by goodput.loop"
-        t.cfg["trainer"]["log_every_n_steps"]  # already read by goodput.loop: not a second reader
-        t.cfg["trainer"]["num_threads"]  # read by goodput.worker
+    def in_build(t, _original=loop.train):  # run with goodput.build's globals: a read "by goodput.build"
+        t.cfg["trainer"]["log_every_n_steps"]  # also read by goodput.loop: two phases of the runner
         return _original(t)
 
-    second = type(train)(train.__code__, vars(loop), "train", train.__defaults__)
+    def in_tracking(t, _next=None):  # goodput.tracking's globals: another component
+        t.cfg["trainer"]["num_threads"]  # read by goodput.worker (the runner)
+        return _next(t)
+
+    from goodput import build, tracking
+
+    first = type(in_build)(in_build.__code__, vars(build), "train", in_build.__defaults__)
+    second = type(in_tracking)(in_tracking.__code__, vars(tracking), "train", (first,))
     monkeypatch.setattr(loop, "train", second)
     monkeypatch.setitem(SCHEMAS, "trainer", Planted)
     _instrument_schemas(monkeypatch, only=(Planted,))
@@ -501,14 +533,17 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
         cs.store(group="trainer", name="base", node=TrainerConfig)
     f = findings(group_keys(c, "trainer"), "base", c, recorded, derived)
     assert f["dead"] == {("trainer", "planted")}
-    assert f["shared"] == {("trainer", "num_threads"): {"goodput.worker", "goodput.loop"}}
-    assert not f["stale"]
+    assert f["shared"] == {("trainer", "num_threads"): {"runner", "goodput.tracking"}}
+    # A second phase of the runner reading a key is not a second component, but it must be listed.
+    assert f["stale"] == [
+        ("runner phases not in PHASES", ("trainer", "log_every_n_steps"), {"goodput.build", "goodput.loop"})
+    ]
 
 
 def test_the_tables_name_schema_keys():
     """A KNOWN_* entry for a key that no schema has any more (renamed, moved into another node) is
     stale: remove it."""
-    for path in [*KNOWN_DEAD, *KNOWN_SHARED]:
+    for path in [*KNOWN_DEAD, *KNOWN_SHARED, *PHASES]:
         if len(path) == 1:
             assert path in ROOT_KEYS, f"{path[0]}: not a key of conf/train.yaml"
             continue

@@ -225,14 +225,13 @@ def test_packing_goes_through_the_storage_node_and_names_another_dataset_class(f
     import shutil
 
     shutil.copytree(folder, tmp_path / "imgs")
-    cfg = {"root": str(tmp_path / "imgs")}
-    ensure_packed(cfg, _CountingStorage)
+    ensure_packed(_CountingStorage(str(tmp_path / "imgs")))  # the destination: the source's class
     assert _CountingStorage.opened == [str(tmp_path / "imgs"), str(tmp_path / "imgs-shards")]
-    packed, _ = open_packed(_CountingStorage(cfg["root"]), "train")
+    packed, _ = open_packed(_CountingStorage(str(tmp_path / "imgs")), "train")
     assert type(packed) is _CountingStorage and packed.root.endswith("imgs-shards")
     csv = {"_target_": "goodput.data.dataset.CsvManifest"}
     with pytest.raises(ValueError, match=r"packed from data.dataset=.*ImageFolder.*CsvManifest.*remove"):
-        ensure_packed({**cfg, "dataset": csv})
+        ensure_packed(Storage(str(tmp_path / "imgs")), csv)
 
 
 def test_ensure_packed_on_first_use_and_packed_url_root(folder, tmp_path, reference):
@@ -240,11 +239,10 @@ def test_ensure_packed_on_first_use_and_packed_url_root(folder, tmp_path, refere
 
     root = tmp_path / "imgs"
     shutil.copytree(folder, root)
-    cfg = {"root": str(root)}
-    ensure_packed(cfg)
+    ensure_packed(Storage(str(root)))
     assert (tmp_path / "imgs-shards" / INDEX).exists()
     mtime = (tmp_path / "imgs-shards" / INDEX).stat().st_mtime_ns
-    ensure_packed(cfg)  # once
+    ensure_packed(Storage(str(root)))  # once
     assert (tmp_path / "imgs-shards" / INDEX).stat().st_mtime_ns == mtime
     # data.root = the ImageFolder: reads its packed sibling. Then the packed copy in memory://.
     a = loader(str(root), tmp_path / "c", block=0)

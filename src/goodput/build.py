@@ -17,7 +17,6 @@ from hydra.utils import instantiate
 
 from goodput.accounting import Attempts, Ledger
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
-from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.fault import Faults
 from goodput.parallel import STRATEGIES
@@ -65,14 +64,14 @@ class Trainer:
         random.seed(seed)
         dc, tr = c["data"], c["trainer"]
         data_cfg = DataConfig(**dc)
-        train_tf, eval_tf = augment.build(c["augment"], dc["image_size"])
         data_store = storage(c, dc["root"])
+        # The loader builds the per-sample pipeline (decode, then the `augment` node's transforms).
         self.loader = ResumableLoader(
             data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device,
-            transform=train_tf,
+            augment=c["augment"],
         )  # fmt: skip
         local_bs = tr["global_batch_size"] // d.world
-        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device, eval_tf)
+        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device, c["augment"])
         if self.val_loader.dataset.files.classes != self.loader.files.classes:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"

@@ -117,7 +117,8 @@ def ensure_data(c: dict) -> None:
     if it is missing; data=shards packs it), once, before the ranks start."""
     dc = c["data"]
     source = get_class(dc["source"]["_target_"])
-    source.prepare(dc, lambda url: build.storage(c, url), lambda: _ensure_dataset(c))
+    root = build.storage(c, dc["root"])
+    source.prepare(root, dc["dataset"], lambda url: build.storage(c, url), lambda: _ensure_dataset(c))
 
 
 def _ensure_dataset(c: dict) -> None:

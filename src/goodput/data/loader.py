@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint
+from goodput.data import augment as augmentation
 from goodput.data.config import DataConfig
 from goodput.data.dataset import ImageDataset
 from goodput.data.sampler import OrderHash, StepBatchSampler
@@ -95,13 +96,19 @@ class ResumableLoader:
         rank: int,
         world: int,
         device: torch.device,
-        transform=None,
+        augment: dict | None = None,
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
         self.order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
         self.dataset = ImageDataset(
-            self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, transform
+            self.source,
+            self.files,
+            cfg.image_size,
+            seed,
+            True,
+            cfg.on_bad_sample,
+            augmentation.build(augment, cfg.image_size)[0],
         )
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
         self.seed = seed
@@ -210,11 +217,18 @@ class ResumableLoader:
 
 
 def eval_loader(
-    cfg: DataConfig, storage: Storage, batch_size: int, rank: int, world: int, device, transform=None
+    cfg: DataConfig,
+    storage: Storage,
+    batch_size: int,
+    rank: int,
+    world: int,
+    device,
+    augment: dict | None = None,
 ) -> DataLoader:
     """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
     source, files = open_split(cfg, storage, "val")
-    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, transform)
+    eval_tf = augmentation.build(augment, cfg.image_size)[1]  # derived from the same node: one normalization
+    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, eval_tf)
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))
     idx += [-1] * (per_rank - len(idx))

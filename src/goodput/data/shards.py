@@ -129,16 +129,16 @@ def packed_root(storage: Storage) -> str:
 DEFAULT_DATASET = {"_target_": "goodput.data.dataset.ImageFolder"}
 
 
-def ensure_packed(data_cfg: dict, open_storage=Storage) -> None:
-    """Pack `data.root` on first use (ShardSource.prepare: once per job, before the ranks start).
-    `open_storage(url)` opens a root (goodput.build.storage: the `storage` node). A packing made
+def ensure_packed(src: Storage, dataset: dict | None = None, open_storage=None) -> None:
+    """Pack the dataset at `src` (`data.root`), listed by the `dataset` node, on first use
+    (ShardSource.prepare: once per job, before the ranks start). `open_storage(url)` opens the
+    destination (goodput.build.storage: the `storage` node; default: `src`'s class). A packing made
     from another `data.dataset` is an error, not silently the data this run trains on."""
-    src = open_storage(data_cfg["root"])
     dst_url = packed_root(src)
     if dst_url == src.root:
         return  # data.root is a packed dataset itself
-    dst = open_storage(dst_url)
-    dataset = data_cfg.get("dataset") or DEFAULT_DATASET
+    dst = (open_storage or (lambda url: type(src)(url, src.cfg)))(dst_url)
+    dataset = dataset or DEFAULT_DATASET
     if dst.exists(INDEX):
         packed_from = json.loads(dst.read_bytes(INDEX)).get("dataset") or DEFAULT_DATASET
         if packed_from != dataset:
@@ -147,7 +147,7 @@ def ensure_packed(data_cfg: dict, open_storage=Storage) -> None:
                 f"data.dataset={dataset}: remove {dst_url} to pack it again, or point data.root elsewhere"
             )
         return
-    log.info("packing %s into shards at %s (once) ...", data_cfg["root"], dst_url)
+    log.info("packing %s into shards at %s (once) ...", src.root, dst_url)
     t0 = time.time()
     idx = pack(src, dst, dataset=dataset)
     n = {s: len(v["shards"]) for s, v in idx["splits"].items()}
@@ -245,12 +245,12 @@ class ShardSource(CachedSource):
         self._lock_pid = os.getpid()
 
     @classmethod
-    def prepare(cls, data_cfg: dict, open_storage, ensure_dataset) -> None:
+    def prepare(cls, root: Storage, dataset: dict | None, open_storage, ensure_dataset) -> None:
         """Pack `data.root` once, before the ranks start (a root that already holds packed shards
         needs no dataset to pack)."""
-        if packed_root(open_storage(data_cfg["root"])) != data_cfg["root"]:
+        if packed_root(root) != root.root:
             ensure_dataset()
-        ensure_packed(data_cfg, open_storage)
+        ensure_packed(root, dataset, open_storage)
 
     def open(self, split: str, dataset: dict | None = None) -> ShardFileList:
         """The packed split: reads go to the packed root (`data.root` itself, or `<root>-shards`)."""

@@ -5,8 +5,8 @@ cache + sampler-aware prefetch) and `goodput.data.shards.ShardSource` (`data=sha
 your own subclasses one of them. The loader and the job talk to every source through the same
 methods, so they never ask which one they have:
 
-- `prepare(data_cfg, open_storage, ensure_dataset)` (class method): once per job, before any rank
-  starts (the shards source packs the dataset there);
+- `prepare(root, dataset, open_storage, ensure_dataset)` (class method): once per job, before any
+  rank starts (the shards source packs the dataset there);
 - `open(split, dataset)`: list a split, return its file list (`goodput.data.dataset.ImageFolder`'s
   attributes); `order(files, global_batch_size, seed, window_steps)`: the global sample order over
   it, checked against what the source must keep at hand for `window_steps` steps;
@@ -42,10 +42,10 @@ class RemoteSource:
         self.storage, self.cache_dir = storage, cache_dir
 
     @classmethod
-    def prepare(cls, data_cfg: dict, open_storage, ensure_dataset) -> None:
-        """Once per job, before any rank starts: the dataset at `data.root` must exist (the demo data
-        is generated there by `ensure_dataset()`). `open_storage(url)` opens a root through the
-        `storage` node."""
+    def prepare(cls, root: Storage, dataset: dict | None, open_storage, ensure_dataset) -> None:
+        """Once per job, before any rank starts, with `data.root` opened and the `data.dataset` node:
+        the dataset must exist (`ensure_dataset()` generates the demo data and checks the root).
+        `open_storage(url)` opens another root through the `storage` node."""
         ensure_dataset()
 
     def open(self, split: str, dataset: dict | None = None):
