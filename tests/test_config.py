@@ -117,8 +117,11 @@ def test_a_source_node_lists_its_class_options_with_their_defaults(option):
     """The `data.source` node shows every option of its class (so `--cfg job` is the reference and
     `data.source.<option>=` needs no `+`), each at the class's own default: one default per setting."""
     node = OmegaConf.to_container(_compose([f"data={option}"]), resolve=True)["data"]["source"]
-    params = inspect.signature(get_class(node.pop("_target_"))).parameters
+    cls = get_class(node.pop("_target_"))
+    params = inspect.signature(cls).parameters
     assert node == {k: p.default for k, p in params.items() if k not in ("storage", "cache_dir")}
+    for k in node:  # each documented where it is defined, with its trade-off
+        assert f"`{k}`" in cls.__init__.__doc__, f"{cls.__name__}.__init__ does not document {k}"
 
 
 def test_every_schema_field_is_documented():
