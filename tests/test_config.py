@@ -112,14 +112,20 @@ def test_one_default_per_setting():
     assert c["dataset"]["image_size"] == 64 and c["data"]["root"].endswith("-s64")  # one image size
 
 
-@pytest.mark.parametrize("option", GROUPS["data"])
-def test_a_source_node_lists_its_class_options_with_their_defaults(option):
-    """The `data.source` node shows every option of its class (so `--cfg job` is the reference and
-    `data.source.<option>=` needs no `+`), each at the class's own default: one default per setting."""
-    node = OmegaConf.to_container(_compose([f"data={option}"]), resolve=True)["data"]["source"]
+# (group, the class node's key, the arguments the code passes itself)
+CLASS_NODES = {"data": ("source", ("storage", "cache_dir")), "checkpoint": ("backend", ())}
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in CLASS_NODES for o in GROUPS[g]])
+def test_a_class_node_lists_its_class_options_with_their_defaults(group, option):
+    """`data.source` and `checkpoint.backend` show every option of their class (so `--cfg job` is the
+    reference and `data.source.<option>=` needs no `+`), each at the class's own default: one
+    default per setting."""
+    key, passed = CLASS_NODES[group]
+    node = OmegaConf.to_container(_compose([f"{group}={option}"]), resolve=True)[group][key]
     cls = get_class(node.pop("_target_"))
     params = inspect.signature(cls).parameters
-    assert node == {k: p.default for k, p in params.items() if k not in ("storage", "cache_dir")}
+    assert node == {k: p.default for k, p in params.items() if k not in passed}
     for k in node:  # each documented where it is defined, with its trade-off
         assert f"`{k}`" in cls.__init__.__doc__, f"{cls.__name__}.__init__ does not document {k}"
 

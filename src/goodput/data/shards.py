@@ -176,7 +176,7 @@ class ShardFileList:
         self.where = {rel: (names[k], off, n) for rel, (k, off, n) in zip(self.files, s["samples"])}
         self.sizes = [n for _, _, n in s["samples"]]
         self.shard_bytes = max(sh["bytes"] for sh in self.shards)
-        # Same as ImageFolder's on the same data, so a checkpoint moves between backends.
+        # Same as ImageFolder's on the same data, so a checkpoint moves between sources.
         self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
@@ -255,6 +255,7 @@ class ShardSource(CachedSource):
     def open(self, split: str, dataset: dict | None = None) -> ShardFileList:
         """The packed split: reads go to the packed root (`data.root` itself, or `<root>-shards`)."""
         self.storage, files = open_packed(self.storage, split)
+        self.__dict__.pop("dir", None)  # the cache dir is named by the (packed) root read from
         self.where = files.where
         return files
 
@@ -262,12 +263,14 @@ class ShardSource(CachedSource):
         order = ShardOrder(files, global_batch_size, seed, self.shuffle_block)
         if self.cache_limit is not None:
             # A window of steps touches at most two blocks of shards (one at an epoch's or block's edge).
-            need = 2 * (order.block or len(files.shards)) * files.shard_bytes
+            block = order.block or len(files.shards)
+            need = 2 * block * files.shard_bytes
             if self.cache_limit < need:
+                what = f"data.source.shuffle_block={self.shuffle_block}" if order.block else "every shard"
                 raise ValueError(
                     f"data.source.cache_limit={self.cache_limit} bytes is below two shuffle blocks of "
-                    f"shards ({need} bytes: 2 x data.source.shuffle_block={self.shuffle_block} x "
-                    f"{files.shard_bytes}): raise data.source.cache_limit or lower data.source.shuffle_block"
+                    f"shards ({need} bytes: 2 x {block} shards ({what}) x {files.shard_bytes} bytes): raise "
+                    f"data.source.cache_limit, or set data.source.shuffle_block to fewer than {block} shards"
                 )
         return order
 
