@@ -118,10 +118,11 @@ def ensure_data(c: dict) -> None:
     dc = c["data"]
     source = get_class(dc["source"]["_target_"])
     root = build.storage(c, dc["root"])
-    source.prepare(root, dc["dataset"], lambda url: build.storage(c, url), lambda: _ensure_dataset(c))
+    source.prepare(root, dc["dataset"], lambda url: build.storage(c, url), lambda: _ensure_dataset(c, root))
 
 
-def _ensure_dataset(c: dict) -> None:
+def _ensure_dataset(c: dict, store) -> None:
+    """The demo data generated where it is missing; the dataset class checks `store` (data.root)."""
     root = c["data"]["root"]
     if root == c["paths"]["data_dir"] and read_record(root) is None:  # the demo data: generate it
         if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
@@ -134,4 +135,4 @@ def _ensure_dataset(c: dict) -> None:
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
     node = c["data"]["dataset"]  # the dataset class checks its root (cheaply) before any worker starts
     options = {k: v for k, v in node.items() if k != "_target_"}
-    get_class(node["_target_"]).check_root(build.storage(c, root), **options)
+    get_class(node["_target_"]).check_root(store, **options)

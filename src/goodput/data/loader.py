@@ -101,14 +101,9 @@ class ResumableLoader:
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
         self.order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
+        train_tf = augmentation.build(augment, cfg.image_size)[0]  # the `augment` node; None = its defaults
         self.dataset = ImageDataset(
-            self.source,
-            self.files,
-            cfg.image_size,
-            seed,
-            True,
-            cfg.on_bad_sample,
-            augmentation.build(augment, cfg.image_size)[0],
+            self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, train_tf
         )
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
         self.seed = seed

@@ -117,8 +117,13 @@ def open_packed(storage: Storage, split: str) -> tuple[Storage, ShardFileList]:
     try:
         return storage, ShardFileList(storage, split)
     except FileNotFoundError:
-        packed = type(storage)(f"{storage.root}-shards", storage.cfg)  # (the `storage` node's class)
+        packed = _reopen(storage, f"{storage.root}-shards")
         return packed, ShardFileList(packed, split)
+
+
+def _reopen(storage: Storage, url: str) -> Storage:
+    """Another root opened like `storage` (the `storage` node's class and settings)."""
+    return type(storage)(url, storage.cfg)
 
 
 def packed_root(storage: Storage) -> str:
@@ -137,7 +142,7 @@ def ensure_packed(src: Storage, dataset: dict | None = None, open_storage=None) 
     dst_url = packed_root(src)
     if dst_url == src.root:
         return  # data.root is a packed dataset itself
-    dst = (open_storage or (lambda url: type(src)(url, src.cfg)))(dst_url)
+    dst = open_storage(dst_url) if open_storage else _reopen(src, dst_url)
     dataset = dataset or DEFAULT_DATASET
     if dst.exists(INDEX):
         packed_from = json.loads(dst.read_bytes(INDEX)).get("dataset") or DEFAULT_DATASET
