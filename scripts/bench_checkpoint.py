@@ -41,8 +41,7 @@ import torch.multiprocessing as mp
 import torchvision
 from hydra.utils import instantiate  # noqa: E402
 
-from goodput import storage as storage_mod
-from goodput.bench import (
+from benchlib import (
     bar_chart,
     clean_dist_env,
     free_port,
@@ -57,6 +56,7 @@ from goodput.bench import (
     timed,
     write_json,
 )
+from goodput import storage as storage_mod
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, step_dir
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.storage import Storage, StorageConfig

@@ -14,7 +14,7 @@ noisy machine hits all rows alike. Then the cached-cold row is swept over prefet
 prefetch_threads (one run per cell) to show what to set.
 
 S3 rows (--s3, the honest section): the same loaders through moto's S3 server behind a proxy that
-adds latency and caps bandwidth per connection (goodput.bench.S3Endpoint), per-file before/after
+adds latency and caps bandwidth per connection (benchlib.S3Endpoint), per-file before/after
 ("old client": s3fs with a HEAD per file in a worker, and workers that fetch what is not
 cached yet themselves, as before the request diet), data=shards, and MosaicML Streaming over MDS
 shards of the same data as the reference (pip install -e '.[bench]'). Per row also: requests and
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from goodput.bench import (
+from benchlib import (
     S3Endpoint,
     bar_chart,
     log,

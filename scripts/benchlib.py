@@ -1,4 +1,9 @@
-"""Shared helpers for scripts/bench_*.py: machine record, medians, markdown tables, JSON and PNG output.
+"""Shared helpers for scripts/bench_*.py: machine record, medians, markdown tables, JSON and PNG output,
+and an S3 endpoint with latency and a bandwidth cap (`S3Endpoint`).
+
+Not part of the runtime package: nothing in `goodput` imports it. The bench scripts import it as
+`benchlib` because Python puts a script's own directory first on sys.path (`python
+scripts/bench_data.py`), and spawned children inherit that path.
 
 The benchmarks run on whatever machine is at hand, often a shared and noisy one: every figure is a
 median of repeats, and comparisons are ratios of rows measured side by side in the same run.
