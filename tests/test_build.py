@@ -4,6 +4,7 @@ few hops); the ledger's start-up across attempts. All in-process."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import re
 import time
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 
 from goodput import build
 from goodput.accounting import Attempts, Ledger, process_start
+from goodput.checkpoint import CheckpointConfig
 from goodput.checkpoint.backends import DCPAsync, DCPSync
 from goodput.config import ConfigError, validate
 from goodput.data.config import DataConfig
@@ -165,12 +167,26 @@ def test_a_key_reaches_where_it_acts_in_three_hops():
     """checkpoint.every_n_steps: YAML -> build.checkpoint_manager (passes the node whole) -> the
     manager's `due()`. data.root: YAML -> job.ensure_data (demo data; opens it for the source's
     `prepare`, which packs shards) or build.Trainer -> Storage. Nothing else reads them, so no path
-    doubles back (tests/test_keys.py checks every key's readers, this checks the code's text)."""
+    doubles back (tests/test_keys.py checks every key's readers at run time, this the code's reads;
+    the next test that the node arrives whole)."""
     assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
-    src = (SRC / "goodput" / "build.py").read_text()
-    assert "CheckpointConfig(**ck)" in src and 'ck = c["checkpoint"]' in src
     # node["root"]: the job, the builder; storage's own pickled state. The source gets it opened.
     assert _readers("root", attribute=False) == {"goodput.job", "goodput.build", "goodput.storage"}
+
+
+def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):
+    """build.checkpoint_manager hands the `checkpoint` node to the manager as it is: every field,
+    each set away from its default here, arrives unchanged, and `due()` acts on the interval."""
+    c = _config(tmp_path, [
+        "checkpoint=dcp_sync", "checkpoint.every_n_steps=7", "checkpoint.every_n_minutes=30",
+        "checkpoint.keep_last=4", "checkpoint.on_error=continue", "checkpoint.commit_timeout_s=12",
+    ])  # fmt: skip
+    mgr = build.checkpoint_manager(c)
+    for f in dataclasses.fields(CheckpointConfig):
+        got = getattr(mgr.cfg, f.name)
+        assert got == c["checkpoint"][f.name], f.name
+        assert got != f.default, f"checkpoint.{f.name}: set it away from its default in this test"
+    assert [s for s in range(1, 22) if mgr.due(s)] == [7, 14, 21]
 
 
 # -- the ledger's start-up -----------------------------------------------------------------------
