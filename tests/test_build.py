@@ -99,6 +99,15 @@ def test_the_source_node_is_its_class(tmp_path):
         _config(tmp_path, ["data.source.prefetch_thread=4"])
 
 
+def test_parallel_single_under_a_bigger_world_is_refused(tmp_path, monkeypatch):
+    """An outside launcher (torchrun, SLURM) started 2 processes of a `parallel=single` config."""
+    c = _config(tmp_path, ["experiment=smoke"])
+    validate(c)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="parallel=single runs one process, but the world size is 2"):
+        validate(c)
+
+
 # -- shape of the code -------------------------------------------------------------------------
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
