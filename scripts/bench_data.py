@@ -1,6 +1,6 @@
 """Data-loading benchmark: the project's ResumableLoader, emulated remote and through a real S3 API.
 
-    python scripts/bench_data.py                          # 10 classes x 2000 JPEGs at 64px, 30 steps a row
+    python scripts/bench_data.py                          # 10 classes x 1000 JPEGs at 64px, 30 steps a row
     python scripts/bench_data.py --latency-ms 30 --bandwidth-mb-s 50 --compute-ms 100
 
 Rows (same num_workers, batch and steps; a fixed sleep per step stands in for the accelerator):

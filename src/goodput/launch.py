@@ -38,7 +38,7 @@ def preload_forkserver() -> None:
     The forkserver is a clean single-threaded process (no inherited threads, locks or CUDA state,
     which is why workers are not forked from this process). The preload must be set here, in the
     process that owns the forkserver (the elastic agent's), before it first starts."""
-    # MLflow's SQL store is imported on the first client (1.1 s on 2 cores): preload it too.
+    # MLflow's SQL store is imported on the first client (about a second): preload it too.
     multiprocessing.set_forkserver_preload(
         ["goodput.forkserver_init", "torch", "goodput.worker", "mlflow.store.tracking.sqlalchemy_store"]
     )

@@ -361,9 +361,9 @@ def _obstore_for(fs):
 
 class _ObstoreGet:
     """A GET through obstore's own client, one store per bucket: about half the client CPU of the
-    same GET through its fsspec adapter (measured 0.38 against 0.76 ms per small file), which adds
-    an asyncio hop per call. Errors map to what the fsspec clients raise: FileNotFoundError for a
-    missing key, OSError (retried) for the rest."""
+    same GET through its fsspec adapter, which adds an asyncio hop per call (docs/benchmarks.md).
+    Errors map to what the fsspec clients raise: FileNotFoundError for a missing key, OSError
+    (retried) for the rest."""
 
     def __init__(self, kw: dict):
         self.kw, self.stores = kw, {}

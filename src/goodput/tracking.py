@@ -4,18 +4,16 @@ Metrics are queued and written by a background thread in batches, so logging nev
 loop (and never inflates fetch_seconds); `close()` flushes. Only rank 0 tracks.
 
 Why not MLflow's own asynchronous logging (`log_batch(synchronous=False)`,
-MLFLOW_ENABLE_ASYNC_LOGGING; MLflow 3.x, measured side by side on a SQLite store): its call also
-returns without touching the store, but
+MLFLOW_ENABLE_ASYNC_LOGGING): its call also returns without touching the store, but
 - a write that fails is logged and dropped: no retry, and the logging function is bound when the
-  store is created, so none can be added. A SQLite file held locked past MLflow's 20 s busy
-  timeout (parallel sweep jobs) lost 10-80 of 100 metrics; this queue's `_retry` lost none;
-- by default every call is its own write, on up to 10 writer threads: 2000 calls were 2000 SQLite
-  transactions (flushing took 9-23 s, here 1 s). Merging needs MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS,
-  a process-wide environment variable;
-- its flush and its atexit hook wait without a bound: a store that never answers kept the process
+  store is created, so none can be added (a SQLite file locked past MLflow's busy timeout, as
+  parallel sweep jobs do, loses metrics; this queue's `_retry` does not);
+- by default every call is its own write, on up to 10 writer threads; merging needs
+  MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS, a process-wide environment variable;
+- its flush and its atexit hook wait without a bound: a store that never answers keeps the process
   from exiting (here the thread is a daemon, and close() waits at most 60 s);
-- a call costs more on the loop's side: median 23 us against 5.5 us, and single calls stalled for
-  ~0.2 s while its writer threads ran (here: at most 8 ms).
+- a call costs more on the loop's side, and single calls stall while its writer threads run.
+The side-by-side measurement: docs/benchmarks.md ("MLflow logging").
 Forked children (DataLoader workers) are alike in both: they never log, and their copy of the
 queue has no thread.
 """

@@ -157,11 +157,11 @@ def recovery_summary(attempts) -> dict:
 def fail_fast(e: BaseException, t: Trainer | None) -> None:
     """A rank that failed under the elastic agent (usually: a peer died in a collective) has one job
     left: exit, because the agent restarts nobody until every rank of the group is gone. Python's
-    own teardown (DataLoader workers joined, prefetch threads drained) took 2-2.5 s on 2 cores, and
-    waiting for a checkpoint in flight can hang: its commit needs the dead peer (10 s, until the
-    SIGTERM grace ran out). A save that did not commit is cleaned up by the next attempt. So: flush
-    the MLflow queue (at most 2 s), leave the error file the agent reports (as torch's @record
-    would), and exit at once."""
+    own teardown (DataLoader workers joined, prefetch threads drained) takes seconds, and waiting
+    for a checkpoint in flight can hang: its commit needs the dead peer (until the SIGTERM grace
+    runs out; docs/benchmarks.md, "Recovery"). A save that did not commit is cleaned up by the next
+    attempt. So: flush the MLflow queue (at most 2 s), leave the error file the agent reports (as
+    torch's @record would), and exit at once."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     try:

@@ -63,7 +63,7 @@ def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.dev
         if sys.platform == "linux":
             # Elastic workers come from a forkserver (or spawn), and such a process inherits that as
             # its default start method: each DataLoader worker would be a new interpreter that
-            # re-imports torch (8 s of fetch after every restart on 2 cores). Fork, as elsewhere.
+            # re-imports torch (seconds of fetch after every restart). Fork, as elsewhere.
             kw["multiprocessing_context"] = "fork"
     return kw
 

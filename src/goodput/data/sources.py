@@ -177,7 +177,7 @@ class CachedSource(RemoteSource):
     def _store(self, rel: str, data: bytes) -> None:
         # Readers (other ranks, workers) see nothing or the whole file, even when the filler is
         # killed (its written pages stay in the kernel). Not durable, as before: a disk flush per
-        # sample costs ~10x the write (0.5 ms against 0.05 ms per 16 KiB here); the price is that
+        # sample costs ~10x the write (docs/benchmarks.md); the price is that
         # a power loss or kernel crash can leave a just-renamed fill empty: clear the node cache
         # after a node crash.
         atomic_write(self.local_path(rel), data, durable=False)
