@@ -277,7 +277,7 @@ def test_csv_manifest_lists_what_it_names(tmp_path):
 
 @pytest.mark.slow
 def test_a_dataset_class_by_target_on_the_entry_point(tmp_path, smoke_reference):
-    """The README's example: the smoke data laid out flat with CSV manifests trains the same model,
+    """docs/config.md's example: the smoke data laid out flat with CSV manifests trains the same model,
     bit for bit, as the ImageFolder it came from (sample i is the same image)."""
     make_dataset(str(tmp_path / "folder"), 10, 20, 4, 16, 0)  # the smoke experiment's demo data
     _flatten_to_manifest(tmp_path / "folder", tmp_path / "csv")

@@ -179,14 +179,14 @@ def test_schedules_from_target_nodes():
 
 
 def test_own_model_and_scheduler_on_the_entry_point(tmp_path, smoke_reference):
-    """The README's examples: any model and any LR scheduler are a `_target_` node."""
+    """docs/config.md's examples: any model and any LR scheduler are a `_target_` node."""
     _, s = run_train(tmp_path, "model=resnet18", "optim/schedule=step", "optim.schedule.step_size=4")
     assert s["steps"] == 12 and s["last_committed_step"] == 12
     assert s["model_sha256"] != smoke_reference("dcp_sync")["model_sha256"]
 
 
 def test_a_data_option_file_is_a_short_diff(tmp_path):
-    """The README's conf/data/flowers.yaml: the schema fills every other key."""
+    """docs/config.md's conf/data/flowers.yaml: the schema fills every other key."""
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "data" / "flowers.yaml").write_text(
