@@ -265,3 +265,75 @@ def test_process_async_checkpointer_through_the_entry_point(tmp_path, smoke_refe
     assert s["model_sha256"] == ref["model_sha256"]
     commit = json.loads((tmp_path / "checkpoints" / "smoke" / "step-000000012" / "COMMIT.json").read_text())
     assert commit["backend"] == "dcp_async"
+
+
+# -- another process's write is seen at once (no per-client listing cache) -----------------------
+def other_process_storage(url: str) -> Storage:
+    """A Storage with its own fsspec client, as a separate rank's process has (in one process
+    fsspec would otherwise hand both the same cached client, whose own writes refresh its cache)."""
+    s = Storage(url)
+    s._pid = -1  # the `fs` property then builds a fresh client, as after a fork
+    assert s.fs is not Storage(url).fs
+    return s
+
+
+def test_listings_see_another_clients_write(s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    mine, theirs = Storage(url), other_process_storage(url)
+    mine.write_bytes("attempts/0.json", b"{}")
+    assert set(mine.ls("attempts")) == {"0.json"} and set(mine.find("attempts")) == {"0.json"}
+    assert not mine.exists("attempts/1.json")
+    theirs.write_bytes("attempts/1.json", b"{}")  # after my listing: a cached client misses it
+    assert set(mine.ls("attempts")) == {"0.json", "1.json"}
+    assert set(mine.find("attempts")) == {"0.json", "1.json"}
+    assert mine.exists("attempts/1.json")
+
+
+def test_commit_sees_a_manifest_that_lands_after_the_first_listing(tmp_path, s3_bucket):
+    """Rank 1's manifest arrives after rank 0's commit has listed `ranks/` once (the order that
+    hung a 2-rank S3 job for its whole commit timeout): rank 0 must commit within a second."""
+    import threading
+    import time
+
+    remote = f"s3://{s3_bucket}/ckpt"
+    node = {"_target_": "goodput.checkpoint.backends.TorchSave"}
+
+    def mgr(rank, storage):
+        cfg = CheckpointConfig(node, remote, str(tmp_path / f"staging{rank}"), 5, None, 2)
+        cfg.commit_timeout_s = 5.0
+        return CheckpointManager(cfg, storage, BACKENDS["torch_save"](), rank, 2, rank)
+
+    rank0, rank1 = mgr(0, Storage(remote)), mgr(1, other_process_storage(remote))
+    local0, local1 = tmp_path / "local0", tmp_path / "local1"
+    local0.mkdir(), local1.mkdir()
+    (local0 / "state.pt").write_bytes(b"x" * 100)
+    files0 = rank0._upload(5, str(local0))
+
+    listed = threading.Event()
+    ls = rank0.storage.ls
+
+    def ls_then_signal(rel=""):
+        out = ls(rel)
+        if rel.endswith("/ranks"):
+            listed.set()
+        return out
+
+    rank0.storage.ls = ls_then_signal
+    landed = []
+
+    def rank1_uploads_late():
+        listed.wait(10)
+        rank1._upload(5, str(local1))
+        landed.append(time.monotonic())
+
+    th = threading.Thread(target=rank1_uploads_late)
+    th.start()
+    try:
+        rank0._commit(5, str(local0), files0, {})
+        committed = time.monotonic()
+    finally:
+        th.join()
+    assert listed.is_set() and landed
+    assert committed - landed[0] < 1.0, f"commit {committed - landed[0]:.2f}s after the last manifest"
+    rec = rank0.committed()[0]
+    assert rec["step"] == 5 and rec["world_size"] == 2 and set(rec["files"]) == {"state.pt"}

@@ -22,6 +22,7 @@ from typing import IO
 import fsspec
 import xxhash
 from fsspec.core import url_to_fs
+from fsspec.dircache import DirCache
 
 # Checksum of every file a checkpoint moves. xxh3_128 streams at tens of GB/s on one core (sha256
 # about 2 GB/s here), so hashing while the bytes go out costs nothing next to the transfer. It
@@ -122,6 +123,18 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def _uncached(fs):
+    """Turn off fsspec's per-client listing cache: every ls/find/exists/info asks the store.
+
+    s3fs (and obstore's adapter) remember each listing per client and answer later listings,
+    `exists` and `info` from it. Another process's write (a rank's manifest, an attempt record)
+    then never shows up: a commit polling for it waited out its whole timeout. A listing here
+    is a poll for someone else's write more often than not, so the cache is never worth it."""
+    if getattr(fs, "dircache", None) is not None and fs.dircache.use_listings_cache:
+        fs.dircache = DirCache(use_listings_cache=False)
+    return fs
+
+
 class Storage:
     """fsspec filesystem rooted at `root`, with latency/bandwidth/error emulation and retries."""
 
@@ -133,6 +146,7 @@ class Storage:
         self.root = root.rstrip("/")
         self.cfg = cfg or StorageConfig(**options)
         self._fs, self._base = url_to_fs(self.root)
+        _uncached(self._fs)
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._rng = random.Random()
@@ -144,6 +158,7 @@ class Storage:
         # instance cache would hand the parent's back. Make a fresh one in each new process.
         if os.getpid() != self._pid:
             self._fs, self._base = url_to_fs(self.root, skip_instance_cache=True)
+            _uncached(self._fs)
             self._pid = os.getpid()
             self._rng = random.Random()
             self._read_fs = self._get = None
@@ -356,7 +371,7 @@ def _obstore_for(fs):
     if region:
         kw["region"] = region
     _OBSTORE_PID[0] = os.getpid()
-    return FsspecStore("s3", skip_instance_cache=True, **kw), _ObstoreGet(kw)
+    return _uncached(FsspecStore("s3", skip_instance_cache=True, **kw)), _ObstoreGet(kw)
 
 
 class _ObstoreGet:
