@@ -264,7 +264,7 @@ def test_csv_manifest_lists_what_it_names(tmp_path):
     assert b.files[0] == "pics/train-00000.jpg" and b.fingerprint != a.fingerprint
     CsvManifest.check_root(store)
     for text, error in [
-        ("path,label\npics/train-00000.jpg\n", "row 1: expected `path,label`"),
+        ("path,label\npics/train-00000.jpg\n", "line 2: expected `path,label`"),
         ("pics/nope.jpg,circle\n", "missing file(s), e.g. pics/nope.jpg"),
         ("path,label\n", "lists no samples"),
     ]:

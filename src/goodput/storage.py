@@ -24,6 +24,8 @@ import xxhash
 from fsspec.core import url_to_fs
 from fsspec.dircache import DirCache
 
+from goodput.untrusted import confined, real_root, regular, safe_rel
+
 # Checksum of every file a checkpoint moves. xxh3_128 streams at tens of GB/s on one core (sha256
 # about 2 GB/s here), so hashing while the bytes go out costs nothing next to the transfer. It
 # detects corruption, not forgery: whoever can write the commit record can write its checksums too.
@@ -38,15 +40,22 @@ class Transfer:
     digest: str
 
 
-def _copy_hashing(src, dst, chunk: int) -> Transfer:
+class TooLarge(ValueError):
+    """A download that went past the size its record allows (a store file grown or replaced)."""
+
+
+def _copy_hashing(src, dst, chunk: int, limit: int | None = None) -> Transfer:
+    """Copy src to dst, hashing; with `limit`, stop (TooLarge) as soon as more than `limit` bytes came."""
     h, n = xxhash.xxh3_128(), 0
     while True:
-        buf = src.read(chunk)
+        buf = src.read(chunk if limit is None else min(chunk, limit + 1 - n))
         if not buf:
             return Transfer(n, h.hexdigest())
+        n += len(buf)
+        if limit is not None and n > limit:
+            raise TooLarge(f"more than the {limit} bytes recorded")
         h.update(buf)
         dst.write(buf)
-        n += len(buf)
 
 
 def file_digest(path: str, chunk: int = 1 << 22) -> Transfer:
@@ -119,6 +128,10 @@ def check_url(url: str, what: str) -> None:
             raise ValueError(f"{what}: protocol '{proto}://' needs an extra package: {e}") from e
 
 
+DIR, FOREIGN = -1, -2
+"""`Storage.ls` sizes of a directory and of a foreign entry (a symbolic link or non-regular file)."""
+
+
 def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
@@ -149,6 +162,7 @@ class Storage:
         _uncached(self._fs)
         self._pid = os.getpid()
         self.local = is_local(self.root)
+        self._real = real_root(self._base) if self.local else None
         self._rng = random.Random()
         self._read_fs = self._get = None
 
@@ -191,7 +205,19 @@ class Storage:
         return f"{self.root}/{rel}" if rel else self.root
 
     def _path(self, rel: str) -> str:
-        return f"{self._base}/{rel}" if rel else self._base
+        """The backend path of `rel`: a plain relative path (goodput.untrusted.safe_rel), and on a
+        local root one with no symbolic link below the root (a link in a store is foreign: never
+        written through, never read)."""
+        if not rel:
+            return self._base
+        if self.local:
+            return confined(self._real, rel, f"storage {self.root}", resolved=True)
+        return f"{self._base}/{safe_rel(rel, f'storage {self.root}')}"
+
+    def _file(self, rel: str) -> str:
+        """`_path` of a file about to be read: on a local root it must be a regular file."""
+        path = self._path(rel)
+        return regular(path, f"storage {self.root}") if self.local else path
 
     # -- emulation ---------------------------------------------------------------------------
     def _op(self) -> None:
@@ -224,7 +250,9 @@ class Storage:
         return self._retry(f"exists {self.url(rel)}", self.fs.exists, self._path(rel))
 
     def ls(self, rel: str = "") -> dict[str, int]:
-        """Names (relative to `rel`) -> size in bytes, for the direct children of `rel`."""
+        """Names (relative to `rel`) -> size in bytes, for the direct children of `rel`; DIR (-1) for
+        a directory, FOREIGN (-2) for what a store must not hold: a symbolic link, a FIFO, a device
+        (local roots; object stores have none). Callers treat FOREIGN as neither file nor dir."""
 
         def _ls():
             if not self.fs.exists(self._path(rel)):
@@ -232,7 +260,10 @@ class Storage:
             out = {}
             for info in self.fs.ls(self._path(rel), detail=True):
                 name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-                out[name] = -1 if info["type"] == "directory" else int(info.get("size") or 0)
+                if self.local and (info.get("islink") or info["type"] not in ("file", "directory")):
+                    out[name] = FOREIGN
+                else:
+                    out[name] = DIR if info["type"] == "directory" else int(info.get("size") or 0)
             return out
 
         return self._retry(f"ls {self.url(rel)}", _ls)
@@ -273,7 +304,7 @@ class Storage:
                 # GETs; for a sample that is one request too many.
                 data = fs.cat_file(self._path(rel), max_concurrency=1)
             else:
-                data = fs.cat_file(self._path(rel))
+                data = fs.cat_file(self._file(rel))
             self._transfer(len(data))
             return data
 
@@ -311,7 +342,7 @@ class Storage:
 
         def _digest():
             h, n = xxhash.xxh3_128(), 0
-            with self.fs.open(self._path(rel), "rb") as src:
+            with self.fs.open(self._file(rel), "rb") as src:
                 while buf := src.read(self.CHUNK):
                     h.update(buf)
                     n += len(buf)
@@ -320,15 +351,16 @@ class Storage:
 
         return self._retry(f"read {self.url(rel)}", _digest)
 
-    def get(self, rel: str, local_path: str) -> Transfer:
+    def get(self, rel: str, local_path: str, limit: int | None = None) -> Transfer:
         """Download to local_path via a temp file + rename (a crash never leaves a partial file),
-        hashing the bytes as they arrive, so they can be verified before anything reads them."""
+        hashing the bytes as they arrive, so they can be verified before anything reads them.
+        `limit`: the size the record allows; a file longer than that stops the download (TooLarge)."""
 
         def _get():
             # Not durable: a download is a copy, checked against its checksum as it arrives and
             # fetched again by the next restore; a disk flush per file would only slow restores.
-            with atomic_file(local_path, durable=False) as out, self.fs.open(self._path(rel), "rb") as src:
-                t = _copy_hashing(src, out, self.CHUNK)
+            with atomic_file(local_path, durable=False) as out, self.fs.open(self._file(rel), "rb") as src:
+                t = _copy_hashing(src, out, self.CHUNK, limit)
                 self._transfer(t.size)
             return t
 

@@ -16,6 +16,7 @@ from torchvision.io import ImageReadMode, decode_image
 from goodput.data import augment
 from goodput.data.sampler import sample_seed
 from goodput.storage import Storage, atomic_file
+from goodput.untrusted import why_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,13 @@ class ImageFolder:
             raise DataRootError(
                 f"no files under {storage.url(split)}: the dataset root must hold "
                 f"'{split}/<class>/<image>' (ImageFolder layout)"
+            )
+        # A listed key is data too (an object store holds `train/../../x` as a key like any other).
+        bad = next((r for r in sorted(found) if why_unsafe(f"{split}/{r}")), None)
+        if bad is not None:
+            raise DataRootError(
+                f"{storage.url(split)} lists {bad!r}: that path {why_unsafe(f'{split}/{bad}')}; refused "
+                f"(sample paths must stay under data.root)"
             )
         by_class: dict[str, list[str]] = {}
         for rel in sorted(found):
@@ -136,10 +144,19 @@ class CsvManifest(ImageFolder):
             text = storage.read_bytes(name).decode()
         except FileNotFoundError as e:
             raise DataRootError(f"no manifest {storage.url(name)} (data.dataset.manifest={manifest})") from e
-        rows = [r for r in csv.reader(text.splitlines()) if r and r != ["path", "label"]]
-        bad = next((i for i, r in enumerate(rows) if len(r) != 2 or not r[0] or not r[1]), None)
-        if bad is not None:
-            raise DataRootError(f"{storage.url(name)} row {bad + 1}: expected `path,label`, got {rows[bad]}")
+        lines = [
+            (n, r) for n, r in enumerate(csv.reader(text.splitlines()), 1) if r and r != ["path", "label"]
+        ]
+        for n, r in lines:
+            if len(r) != 2 or not r[0] or not r[1]:
+                raise DataRootError(f"{storage.url(name)} line {n}: expected `path,label`, got {r}")
+            # A row's path becomes a read on the root and a file in the node cache: it must stay under both.
+            if why_unsafe(r[0]):
+                raise DataRootError(
+                    f"{storage.url(name)} line {n}: path {r[0]!r} {why_unsafe(r[0])}; refused "
+                    f"(paths in a manifest are relative to data.root and stay under it)"
+                )
+        rows = [r for _, r in lines]
         if not rows:
             raise DataRootError(f"{storage.url(name)} lists no samples")
         classes = sorted({label for _, label in rows})

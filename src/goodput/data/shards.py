@@ -38,6 +38,7 @@ from goodput.data.dataset import ImageFolder, open_dataset
 from goodput.data.sampler import GlobalOrder, _mix
 from goodput.data.sources import CachedSource
 from goodput.storage import Storage
+from goodput.untrusted import RecordError, field, parse_record, safe_rel
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def ensure_packed(src: Storage, dataset: dict | None = None, open_storage=None) 
     dst = open_storage(dst_url) if open_storage else _reopen(src, dst_url)
     dataset = dataset or DEFAULT_DATASET
     if dst.exists(INDEX):
-        packed_from = json.loads(dst.read_bytes(INDEX)).get("dataset") or DEFAULT_DATASET
+        packed_from = parse_record(dst.read_bytes(INDEX), dst.url(INDEX)).get("dataset") or DEFAULT_DATASET
         if packed_from != dataset:
             raise ValueError(
                 f"{dst.url(INDEX)} was packed from data.dataset={packed_from}, this run lists "
@@ -160,26 +161,56 @@ def ensure_packed(src: Storage, dataset: dict | None = None, open_storage=None) 
 
 
 # -- reading -----------------------------------------------------------------------------------
+def parse_index(data: bytes, what: str, split: str) -> tuple[list, list, list, list, list]:
+    """(classes, files, labels, shards, samples) of `split` in an index.json, every entry checked as
+    untrusted input (a shard name becomes a path in the node cache): RecordError naming the entry."""
+    index = parse_record(data, what)
+    if index.get("format") != FORMAT:
+        raise RecordError(f"{what}: unknown format {index.get('format')!r}, want {FORMAT!r}")
+    classes = field(index, "classes", list, what)
+    s = field(field(index, "splits", dict, what), split, dict, f"{what} splits")
+    where = f"{what} splits.{split}"
+    files, labels = field(s, "files", list, where), field(s, "labels", list, where)
+    shards, samples = field(s, "shards", list, where), field(s, "samples", list, where)
+    if not shards or not (len(files) == len(labels) == len(samples)):
+        raise RecordError(f"{where}: no shards, or files/labels/samples of different lengths")
+    for i, sh in enumerate(shards):
+        at = f"{where}.shards[{i}]"
+        if not isinstance(sh, dict):
+            raise RecordError(f"{at}: not an object")
+        safe_rel(field(sh, "name", str, at), at)
+        for key in ("bytes", "first", "count"):
+            field(sh, key, int, at, minimum=0)
+    for i, (rel, label, sample) in enumerate(zip(files, labels, samples)):
+        at = f"{where} sample {i}"
+        safe_rel(rel, f"{at} (files)")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(classes):
+            raise RecordError(f"{at}: label {label!r} is not a class index")
+        ok = isinstance(sample, list) and len(sample) == 3
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sample)
+        if not ok or sample[0] >= len(shards) or sample[1] + sample[2] > shards[sample[0]]["bytes"]:
+            raise RecordError(f"{at}: bad location {sample!r} (want [shard, offset, size] inside a shard)")
+    return classes, files, labels, shards, samples
+
+
 class ShardFileList:
     """The ImageFolder of a packed split: same attributes (files, labels, sizes, classes, fingerprint),
     plus where each sample lives (`where[rel] = (shard, offset, size)`) and the shard table."""
 
     def __init__(self, storage: Storage, split: str):
         try:
-            index = json.loads(storage.read_bytes(INDEX))
+            data = storage.read_bytes(INDEX)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"{storage.url(INDEX)} not found: data=shards needs a packed dataset "
                 f"(scripts/pack_shards.py), or an ImageFolder it packs on first use"
             ) from e
-        if index.get("format") != FORMAT:
-            raise ValueError(f"{storage.url(INDEX)}: unknown format {index.get('format')!r}, want {FORMAT!r}")
-        s = index["splits"][split]
-        self.classes = index["classes"]
-        self.files, self.labels, self.shards = s["files"], s["labels"], s["shards"]
+        self.classes, self.files, self.labels, self.shards, samples = parse_index(
+            data, storage.url(INDEX), split
+        )
         names = [sh["name"] for sh in self.shards]
-        self.where = {rel: (names[k], off, n) for rel, (k, off, n) in zip(self.files, s["samples"])}
-        self.sizes = [n for _, _, n in s["samples"]]
+        self.where = {rel: (names[k], off, n) for rel, (k, off, n) in zip(self.files, samples)}
+        self.sizes = [n for _, _, n in samples]
         self.shard_bytes = max(sh["bytes"] for sh in self.shards)
         # Same as ImageFolder's on the same data, so a checkpoint moves between sources.
         self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
@@ -261,6 +292,7 @@ class ShardSource(CachedSource):
         """The packed split: reads go to the packed root (`data.root` itself, or `<root>-shards`)."""
         self.storage, files = open_packed(self.storage, split)
         self.__dict__.pop("dir", None)  # the cache dir is named by the (packed) root read from
+        self.__dict__.pop("_real_dir", None)
         self.where = files.where
         return files
 

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from goodput.data.dataset import open_dataset
 from goodput.data.sampler import GlobalOrder
 from goodput.storage import Storage, atomic_write
+from goodput.untrusted import confined, real_root
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,10 @@ class CachedSource(RemoteSource):
                 )
         return super().order(files, global_batch_size, seed, window_steps)
 
+    @functools.cached_property
+    def _real_dir(self) -> str:
+        return real_root(self.dir)
+
     _LOCAL = ("_pool", "_lock", "_inflight", "_fill_fd", "_fill_pid", "_stripes")
 
     def __getstate__(self):  # workers get config only; the pool lives in the training process
@@ -149,7 +154,9 @@ class CachedSource(RemoteSource):
         self._fill_fd, self._fill_pid, self._stripes = None, None, []
 
     def local_path(self, rel: str) -> str:
-        return os.path.join(self.dir, rel)
+        """The cached copy of `rel`: checked to stay under the cache dir (`rel` comes from data; the
+        dataset classes refuse such paths when listing, this is the last line before a write)."""
+        return confined(self._real_dir, rel, f"node cache {self.dir}", resolved=True)
 
     def _fill(self, rel: str) -> tuple[bytes, int]:
         """Download rel into the cache atomically; returns (bytes, size)."""

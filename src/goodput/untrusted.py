@@ -1,0 +1,126 @@
+"""Input the code did not write itself: paths that come from data, and the small records in a store.
+
+Whoever can write to the dataset or the checkpoint store controls these (see docs/security.md), so
+each is checked by one rule before it is used:
+
+- `safe_rel`: a path from data (a manifest row, a listed key, a shard index entry, a commit record)
+  is a plain relative path: normalised, no `..`, not absolute, no drive, `~`, URL, backslash or NUL.
+  `os.path.join(cache, "/abs/path")` is `/abs/path`; this is what stops it.
+- `confined`: the local file of such a path under its root, resolved: no symbolic link below the
+  root (a link in a store can point anywhere, also at another run's committed checkpoint).
+- `regular`: a local file about to be read is a regular file (a FIFO blocks a reader forever).
+- `parse_record`: a JSON record (commit, rank manifest, lock, attempt, shard index) parsed as
+  untrusted: any parser exception (RecursionError from deep nesting too) or a wrong top-level type
+  is a `RecordError` naming the file; `field` checks one key's type and range.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+class UnsafePath(ValueError):
+    """A path from data that could reach outside its root; the message names where it came from."""
+
+
+class RecordError(ValueError):
+    """A record that does not parse or has a field of the wrong type or range; names the file."""
+
+
+def why_unsafe(rel: object) -> str | None:
+    """Why `rel` is not a plain relative path, or None when it is."""
+    if not isinstance(rel, str):
+        return f"is a {type(rel).__name__}, not a string"
+    if not rel:
+        return "is empty"
+    if "\x00" in rel:
+        return "contains a NUL byte"
+    if "\\" in rel:
+        return "contains a backslash"
+    if rel.startswith("/"):
+        return "is absolute"
+    if rel.startswith("~"):
+        return "starts with ~"
+    if _DRIVE.match(rel):
+        return "names a drive"
+    if "://" in rel:
+        return "is a URL"
+    parts = rel.split("/")
+    if ".." in parts:
+        return "climbs out of its root with '..'"
+    if any(p in ("", ".") for p in parts):
+        return "is not normalised (empty or '.' component)"
+    return None
+
+
+def safe_rel(rel: object, what: str) -> str:
+    """`rel` itself when it is a plain relative path (see `why_unsafe`); else UnsafePath naming `what`
+    (the file and row or entry it came from)."""
+    why = why_unsafe(rel)
+    if why is not None:
+        raise UnsafePath(f"{what}: path {rel!r} {why}; refused (paths from data must stay under their root)")
+    return rel  # type: ignore[return-value]
+
+
+def real_root(root: str) -> str:
+    """The resolved local directory `root` (its own symlinks, set up by whoever configured it, are fine)."""
+    return os.path.realpath(root)
+
+
+def confined(root: str, rel: str, what: str, resolved: bool = False) -> str:
+    """The local path of `rel` under the local directory `root`, checked: `rel` passes `safe_rel` and
+    no component below the root is a symbolic link, so the path cannot lead outside the root (nor
+    anywhere else inside it). `resolved`: `root` is already `real_root(root)` (saves the lookups)."""
+    safe_rel(rel, what)
+    base = root if resolved else real_root(root)
+    path = os.path.join(base, *rel.split("/"))
+    if os.path.realpath(path) != path:
+        raise UnsafePath(f"{what}: {rel!r} goes through a symbolic link under {root}; refused")
+    return path
+
+
+def regular(path: str, what: str) -> str:
+    """`path` when it is a regular file (FileNotFoundError when missing); a directory, FIFO, socket or
+    device is refused: reading one blocks or returns what the file never held."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise UnsafePath(f"{what}: {path} is not a regular file; refused")
+    return path
+
+
+def parse_record(data: bytes | str, what: str, kind: type = dict):
+    """The JSON value of a record, checked to be a `kind` (dict by default). Anything the parser
+    raises (bad UTF-8, bad JSON, RecursionError from deep nesting, huge integers) is a RecordError
+    naming `what`."""
+    try:
+        rec = json.loads(data)
+    except Exception as e:  # RecursionError is not a ValueError; none of them may escape as a crash
+        raise RecordError(f"{what}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(rec, kind):
+        raise RecordError(f"{what}: expected a JSON {kind.__name__}, got {type(rec).__name__}")
+    return rec
+
+
+_MISSING = object()
+
+
+def field(rec: dict, key: str, kind, what: str, default=_MISSING, minimum=None):
+    """`rec[key]`, checked to be of `kind` (a type or tuple; bool is never an int here) and >= `minimum`.
+    Missing: `default` if given, else RecordError naming `what` and the key."""
+    if key not in rec:
+        if default is _MISSING:
+            raise RecordError(f"{what}: no {key!r}")
+        return default
+    v = rec[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(v, bool) and bool not in kinds) or not isinstance(v, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise RecordError(f"{what}: {key!r} is {v!r}, expected {names}")
+    if minimum is not None and v < minimum:
+        raise RecordError(f"{what}: {key!r} is {v!r}, expected >= {minimum}")
+    return v
