@@ -1,7 +1,7 @@
 """Hydra entry point: `python scripts/train.py [group=option ...] [key=value ...]`, or `-m` to sweep.
 
 Composes the config once, checks it, creates demo data and the MLflow run, then launches the
-workers (see goodput.launch). Relaunching the same command resumes from the newest commit.
+workers (see goodput.run.launch). Relaunching the same command resumes from the newest commit.
 """
 
 import logging
@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from goodput.signals import HELPER_ENV, obey_parent_only
+from goodput.resilience.signals import HELPER_ENV, obey_parent_only
 
 if __name__ == "__mp_main__" and os.environ.get(HELPER_ENV):  # a helper the loop spawned: first thing
     obey_parent_only()
@@ -21,9 +21,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
 from goodput.config import ConfigError  # noqa: E402
-from goodput.job import AlreadyDone, prepare  # noqa: E402
-from goodput.launch import RendezvousUnreachable, launch  # noqa: E402
-from goodput.lock import RunLocked  # noqa: E402
+from goodput.resilience.lock import RunLocked  # noqa: E402
+from goodput.run.job import AlreadyDone, prepare  # noqa: E402
+from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from goodput.accounting import Attempts, Ledger
+from goodput.resilience.accounting import Attempts, Ledger
 from goodput.storage import Storage
 
 

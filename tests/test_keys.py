@@ -1,14 +1,14 @@
 """Every key of every group option is read by the code that runs a job, and by one component.
 
 For each option of each group, on top of experiment=smoke with paths.root in tmp, the real job runs
-in this process: `goodput.job.prepare` (validate, demo data, run lock, MLflow run) and
-`goodput.launch.launch` (one rank: build, resume, 4 loop steps, a checkpoint, the summary), plus
+in this process: `goodput.run.job.prepare` (validate, demo data, run lock, MLflow run) and
+`goodput.run.launch.launch` (one rank: build, resume, 4 loop steps, a checkpoint, the summary), plus
 the few extra runs a group's conditional keys need (EXTRA_RUNS). The resolved config those
 functions get is a recording tree (Node); the schema dataclasses built from it record attribute
 reads. A read of key K is attributed to the module of the Python frame that makes it.
 
-A component is a module, except for the runner: goodput.job (once per job), goodput.launch,
-goodput.build (a rank's components), goodput.worker (the rank) and goodput.loop are one training
+A component is a module, except for the runner: goodput.run.job (once per job), goodput.run.launch,
+goodput.run.build (a rank's components), goodput.run.worker (the rank) and goodput.run.loop are one training
 run split by phase, and each reads the keys its phase acts on (trainer.max_steps: "already done?"
 before any worker, the requeue decision, the loader's length, the loop's end). Keys several phases
 read are asserted exactly in PHASES, with the reason for each.
@@ -52,9 +52,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
-from goodput import job, launch, worker
 from goodput.config import SCHEMAS
 from goodput.parallel import LAUNCHER_ENV
+from goodput.run import job, launch, worker
 
 CONF = REPO / "conf"
 ROOT_KEYS = [(k,) for k in OmegaConf.load(CONF / "train.yaml") if k != "defaults"]  # seed
@@ -184,7 +184,7 @@ def _let_omegaconf_take_nodes(monkeypatch) -> None:
 
 
 def _instrument_conversions(monkeypatch) -> None:
-    """goodput.job and goodput.data.augment turn a config into a fresh plain dict with
+    """goodput.run.job and goodput.data.augment turn a config into a fresh plain dict with
     OmegaConf.to_container before reading it: when a goodput module converts, the result records too,
     rooted at the config's top (both convert a tree rooted there; a sub-tree converted on its own
     gets paths that match no key, so it can only fail to count, never count wrongly)."""
@@ -206,7 +206,7 @@ def _compose(overrides, hydra=False):
 
 def _fake_elastic(lc, fn):
     """The elastic agent's launch, in this process: one worker, world size 1 (the agent's own
-    reading of LaunchConfig is torch's business; goodput.launch reads the keys to build it)."""
+    reading of LaunchConfig is torch's business; goodput.run.launch reads the keys to build it)."""
     return lambda *args: {0: fn(*args)}
 
 
@@ -296,7 +296,13 @@ def derived_from(cfg) -> dict[tuple, set[tuple]]:
     return out
 
 
-RUNNER = {"goodput.job", "goodput.launch", "goodput.build", "goodput.worker", "goodput.loop"}
+RUNNER = {
+    "goodput.run.job",
+    "goodput.run.launch",
+    "goodput.run.build",
+    "goodput.run.worker",
+    "goodput.run.loop",
+}
 
 
 def component(module: str) -> str:
@@ -372,7 +378,7 @@ def group_keys(c: dict, group: str) -> list[tuple]:
 # stays selected); a key read only on such a path is not dead, it is conditional. Each entry: the
 # overrides, and whether every checkpoint upload fails (a test-side fault: no config key makes one).
 EXTRA_RUNS = {
-    # run.resume (and trainer.max_steps, in goodput.job) are read on a relaunch that finds a commit;
+    # run.resume (and trainer.max_steps, in goodput.run.job) are read on a relaunch that finds a commit;
     # run.overwrite only when run.resume=none finds checkpoints to discard.
     "run": [(["trainer.max_steps=6"], False), (["run.resume=none", "run.overwrite=true"], False)],
     "trainer": [(["trainer.max_steps=6"], False)],
@@ -427,19 +433,24 @@ KNOWN_SHARED: dict[tuple, set[str]] = {}
 PHASES = {
     # "already done?" before any worker (job, on a relaunch), whether a stop was the end anyway, to
     # requeue (launch), the loader's length (build), the loop's end (loop).
-    ("trainer", "max_steps"): {"goodput.job", "goodput.launch", "goodput.build", "goodput.loop"},
+    ("trainer", "max_steps"): {
+        "goodput.run.job",
+        "goodput.run.launch",
+        "goodput.run.build",
+        "goodput.run.loop",
+    },
     # the MLflow run's name (job) and the commit record's `run` field (build).
-    ("run", "name"): {"goodput.job", "goodput.build"},
+    ("run", "name"): {"goodput.run.job", "goodput.run.build"},
     # an explicit checkpoint is checked before the workers start (job); the workers load it (worker).
-    ("run", "resume"): {"goodput.job", "goodput.worker"},
+    ("run", "resume"): {"goodput.run.job", "goodput.run.worker"},
     # the job starts the MLflow run; rank 0's Tracker logs to it (build).
-    ("mlflow", "tracking_uri"): {"goodput.job", "goodput.build"},
+    ("mlflow", "tracking_uri"): {"goodput.run.job", "goodput.run.build"},
     # the job creates or checks the data (and hands the opened root to the source's `prepare`),
     # the builder opens it for the loader.
-    ("data", "root"): {"goodput.job", "goodput.build"},
+    ("data", "root"): {"goodput.run.job", "goodput.run.build"},
     # conf/train.yaml: weights, sample order, augmentation, RNG state (build); and the schedule of
     # fault.mtbf_seconds' random kills (worker), which has no seed of its own.
-    ("seed",): {"goodput.build", "goodput.worker"},
+    ("seed",): {"goodput.run.build", "goodput.run.worker"},
 }
 
 
@@ -502,23 +513,26 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     reported with both readers."""
     from hydra.core.config_store import ConfigStore
 
-    from goodput import loop
-    from goodput.loop import TrainerConfig
+    from goodput.run import loop
+    from goodput.run.loop import TrainerConfig
 
     @dataclasses.dataclass
     class Planted(TrainerConfig):
         planted: int = 3
         """A setting nobody reads."""
 
-    def in_build(t, _original=loop.train):  # run with goodput.build's globals: a read "by goodput.build"
-        t.cfg["trainer"]["log_every_n_steps"]  # also read by goodput.loop: two phases of the runner
+    def in_build(
+        t, _original=loop.train
+    ):  # run with goodput.run.build's globals: a read "by goodput.run.build"
+        t.cfg["trainer"]["log_every_n_steps"]  # also read by goodput.run.loop: two phases of the runner
         return _original(t)
 
     def in_tracking(t, _next=None):  # goodput.tracking's globals: another component
-        t.cfg["trainer"]["num_threads"]  # read by goodput.worker (the runner)
+        t.cfg["trainer"]["num_threads"]  # read by goodput.run.worker (the runner)
         return _next(t)
 
-    from goodput import build, tracking
+    from goodput import tracking
+    from goodput.run import build
 
     first = type(in_build)(in_build.__code__, vars(build), "train", in_build.__defaults__)
     second = type(in_tracking)(in_tracking.__code__, vars(tracking), "train", (first,))
@@ -536,7 +550,11 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     assert f["shared"] == {("trainer", "num_threads"): {"runner", "goodput.tracking"}}
     # A second phase of the runner reading a key is not a second component, but it must be listed.
     assert f["stale"] == [
-        ("runner phases not in PHASES", ("trainer", "log_every_n_steps"), {"goodput.build", "goodput.loop"})
+        (
+            "runner phases not in PHASES",
+            ("trainer", "log_every_n_steps"),
+            {"goodput.run.build", "goodput.run.loop"},
+        )
     ]
 
 

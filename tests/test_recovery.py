@@ -12,7 +12,7 @@ import pytest
 from conftest import run_train
 
 from goodput.data.dataset import DataRootError, ImageFolder
-from goodput.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize
+from goodput.resilience.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize
 from goodput.storage import Storage
 
 

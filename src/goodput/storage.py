@@ -80,7 +80,7 @@ class InjectedFault(OSError):
 class StorageConfig:
     """Schema of `storage`: emulation of the remote side (data root and checkpoint dir), so a laptop
     shows what a network volume costs. On a real cluster leave latency and bandwidth at 0.
-    goodput.build opens the data root and the checkpoint dir through this node:
+    goodput.run.build opens the data root and the checkpoint dir through this node:
     `instantiate(node)(root)`, so a `_target_` of your own (a Storage subclass) serves both."""
 
     latency_ms: float = 0.0

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from goodput.lock import _pid_alive
+from goodput.resilience.lock import _pid_alive
 
 log = logging.getLogger(__name__)
 

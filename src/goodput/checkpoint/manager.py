@@ -38,7 +38,7 @@ from goodput.checkpoint.layout import (
     step_dir,
 )
 from goodput.checkpoint.state import AppState
-from goodput.signals import signals_blocked
+from goodput.resilience.signals import signals_blocked
 from goodput.storage import CHECKSUM, Storage, file_digest
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class CheckpointManager:
         if not (last or self.due(step)):  # `last` is the same on every rank: due()'s collective stays matched
             return None
         with signals_blocked():  # the first async save may start DCP's daemon and threads: they
-            return self.save(step, app)  # inherit the blocked mask (see goodput.signals)
+            return self.save(step, app)  # inherit the blocked mask (see goodput.resilience.signals)
 
     def due(self, step: int) -> bool:
         """Step-count and wall-clock triggers. The wall clock is rank 0's, broadcast, so all ranks agree."""

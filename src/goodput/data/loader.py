@@ -19,7 +19,7 @@ from goodput.data import augment as augmentation
 from goodput.data.config import DataConfig
 from goodput.data.dataset import ImageDataset
 from goodput.data.sampler import OrderHash, StepBatchSampler
-from goodput.signals import obey_parent_only, signals_blocked
+from goodput.resilience.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 
 log = logging.getLogger(__name__)

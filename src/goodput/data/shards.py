@@ -138,7 +138,7 @@ DEFAULT_DATASET = {"_target_": "goodput.data.dataset.ImageFolder"}
 def ensure_packed(src: Storage, dataset: dict | None = None, open_storage=None) -> None:
     """Pack the dataset at `src` (`data.root`), listed by the `dataset` node, on first use
     (ShardSource.prepare: once per job, before the ranks start). `open_storage(url)` opens the
-    destination (goodput.build.storage: the `storage` node; default: `src`'s class). A packing made
+    destination (goodput.run.build.storage: the `storage` node; default: `src`'s class). A packing made
     from another `data.dataset` is an error, not silently the data this run trains on."""
     dst_url = packed_root(src)
     if dst_url == src.root:

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from PIL import Image, ImageDraw
 
-from goodput.lock import _pid_alive
+from goodput.resilience.lock import _pid_alive
 
 # Written last, after train/ and val/ are in place: a dataset without it is partial (the generator
-# was killed) and is never trained on (goodput.job.ensure_data regenerates it).
+# was killed) and is never trained on (goodput.run.job.ensure_data regenerates it).
 COMPLETE = "DATASET.json"
 SHAPES = ["disc", "square", "triangle", "cross", "hbars", "vbars", "ring", "diamond", "checker", "dots"]
 

@@ -30,7 +30,7 @@ import time
 
 from torch.distributed.elastic import metrics
 
-from goodput.accounting import process_start
+from goodput.resilience.accounting import process_start
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
-from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS
+from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class StopSignal:
     SIGTERM to the survivors in exactly that case), exit at once so the restart is not delayed.
     A second signal exits at once too (a second Ctrl-C), except the same signal again within
     `dup_s`: that is the same notice by two routes (sent to the process group, and forwarded by the
-    elastic agent's process, goodput.launch).
+    elastic agent's process, goodput.run.launch).
     """
 
     def __init__(self, grace_s: float, dup_s: float = 2.0):
@@ -69,7 +69,7 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
-        """Put back the handlers found at start (SIG_DFL, or submitit's: see goodput.launch)."""
+        """Put back the handlers found at start (SIG_DFL, or submitit's: see goodput.run.launch)."""
         for sig, h in self._previous.items():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
         self._previous = {}
@@ -131,7 +131,7 @@ class ScheduleConfig:
     """Schema of `optim/schedule=warmup_cosine` (the default). Any other `optim/schedule` option is a
     node with a `_target_` called as `fn(optimizer)` (with `_partial_: true`), returning an LR scheduler."""
 
-    _target_: str = "goodput.loop.warmup_cosine"
+    _target_: str = "goodput.run.loop.warmup_cosine"
     _partial_: bool = True
     warmup_steps: int = 20
     """Linear warm-up from lr/warmup_steps to lr: large batches and fresh Adam moments need it."""
@@ -194,7 +194,7 @@ def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
 
 
 def train(t) -> dict:
-    """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.build.Trainer."""
+    """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.run.build.Trainer."""
     cfg, d = t.cfg, t.dist
     max_steps = cfg["trainer"]["max_steps"]
     log_every = max(1, cfg["trainer"]["log_every_n_steps"])

@@ -51,7 +51,9 @@ class Ledger:
         self.run_start = time.time()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.resumed_from: list[int] = []
-        self.attempt = -1  # the attempt (goodput.accounting.Attempts) whose start-up is the newest counted
+        self.attempt = (
+            -1
+        )  # the attempt (goodput.resilience.accounting.Attempts) whose start-up is the newest counted
 
     def add(self, category: str, seconds: float) -> None:
         self.totals[category] += seconds

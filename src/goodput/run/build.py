@@ -2,7 +2,7 @@
 
 Every function here takes the resolved config (a plain dict) and returns one component; `Trainer`
 holds what a rank trains with. Nothing here decides *when* anything happens: that is the worker's
-(goodput.worker), the loop's (goodput.loop) and the checkpoint manager's job.
+(goodput.run.worker), the loop's (goodput.run.loop) and the checkpoint manager's job.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 
-from goodput.accounting import Attempts, Ledger
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
-from goodput.fault import Faults
 from goodput.parallel import STRATEGIES
-from goodput.recovery import Recovery, agent_phases, restart_round
-from goodput.recovery import failure_time as recovery_failure_time
+from goodput.resilience.accounting import Attempts, Ledger
+from goodput.resilience.fault import Faults
+from goodput.resilience.recovery import Recovery, agent_phases, restart_round
+from goodput.resilience.recovery import failure_time as recovery_failure_time
 from goodput.storage import Storage
 from goodput.tracking import Tracker
 

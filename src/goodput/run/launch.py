@@ -17,9 +17,9 @@ import time
 import uuid
 
 from goodput.parallel import free_port
-from goodput.recovery import AgentPhases
-from goodput.signals import PREEMPT_SIGNALS
-from goodput.worker import worker
+from goodput.resilience.recovery import AgentPhases
+from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.run.worker import worker
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,12 @@ def preload_forkserver() -> None:
     process that owns the forkserver (the elastic agent's), before it first starts."""
     # MLflow's SQL store is imported on the first client (about a second): preload it too.
     multiprocessing.set_forkserver_preload(
-        ["goodput.forkserver_init", "torch", "goodput.worker", "mlflow.store.tracking.sqlalchemy_store"]
+        [
+            "goodput.resilience.forkserver_init",
+            "torch",
+            "goodput.run.worker",
+            "mlflow.store.tracking.sqlalchemy_store",
+        ]
     )
 
 

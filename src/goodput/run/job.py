@@ -2,7 +2,7 @@
 data, open the MLflow run, and stop early if the run is already done.
 
 Under an external launcher (torchrun, srun) every rank runs this; only global rank 0 writes (demo
-data, overwrite, the MLflow run) and tells the others in goodput.worker.
+data, overwrite, the MLflow run) and tells the others in goodput.run.worker.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import time
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput import build
-from goodput.accounting import process_start
 from goodput.checkpoint.manager import config_hash
 from goodput.checkpoint.resume import explicit_checkpoint
 from goodput.config import validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
-from goodput.lock import RunLock
+from goodput.resilience.accounting import process_start
+from goodput.resilience.lock import RunLock
+from goodput.run import build
 from goodput.tracking import flatten, source_tags, start_run
 
 log = logging.getLogger("goodput")

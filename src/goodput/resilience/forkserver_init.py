@@ -8,7 +8,7 @@ pipe closes). Workers forked from it inherit SIG_IGN until the loop installs its
 
 import signal
 
-from goodput.signals import PREEMPT_SIGNALS
+from goodput.resilience.signals import PREEMPT_SIGNALS
 
 for _sig in PREEMPT_SIGNALS:
     signal.signal(_sig, signal.SIG_IGN)

@@ -1,7 +1,7 @@
 """One rank of the job: build -> restore -> loop -> summary.
 
-goodput.launch runs `worker(c)` in every rank's process (in the job process itself when there is
-one rank and no restarts). `c` is the resolved config from goodput.job.prepare.
+goodput.run.launch runs `worker(c)` in every rank's process (in the job process itself when there is
+one rank and no restarts). `c` is the resolved config from goodput.run.job.prepare.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from goodput import loop
-from goodput.accounting import plot, process_start
-from goodput.build import Trainer
 from goodput.checkpoint.resume import resume
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
-from goodput.recovery import Recovery, summarize
-from goodput.signals import PREEMPT_SIGNALS
+from goodput.resilience.accounting import plot, process_start
+from goodput.resilience.recovery import Recovery, summarize
+from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.run import loop
+from goodput.run.build import Trainer
 from goodput.storage import atomic_write
 
 log = logging.getLogger("goodput")
