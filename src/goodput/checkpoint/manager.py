@@ -39,7 +39,7 @@ from goodput.checkpoint.layout import (
 )
 from goodput.checkpoint.state import AppState
 from goodput.signals import signals_blocked
-from goodput.storage import CHECKSUM, Storage, file_digest
+from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
         self._existing: set[str] | None = None  # step dirs on the remote at start (rank 0)
+        self._foreign: set[str] = set()  # links and special files there: never written through
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
@@ -204,7 +205,9 @@ class CheckpointManager:
         of deleting it: it might hold the only copy of something."""
         rel = step_dir(step)
         if self._existing is None:  # one listing per attempt, not a remote round trip per save
-            self._existing = {n for n, size in self.storage.ls().items() if size == -1}
+            self._listed(self.storage.ls())
+        if rel in self._foreign:  # a link would be written through: refuse, touch nothing
+            raise SaveFailed(f"{self.storage.url(rel)} is a symbolic link or special file: remove it")
         if rel in self._existing and self.storage.exists(rel):
             self._existing.discard(rel)
             aside = f"{rel}.superseded-{int(time.time())}"
@@ -290,19 +293,33 @@ class CheckpointManager:
 
     # -- discovery ---------------------------------------------------------------------------
     def committed(self) -> list[dict]:
-        """Committed checkpoints, newest first. Cheap checks only: COMMIT.json parses and every
-        listed file exists with its size. Loading is the real test (see restore)."""
+        """Committed checkpoints, newest first (by the parsed step, not the name). Cheap checks only:
+        COMMIT.json parses and every listed file exists with its size. Loading is the real test (see
+        restore). An entry that is not a step dir in the one form `step_dir` writes (another spelling,
+        a link, a file) is ignored with a warning naming it: it never decides what is loaded."""
         out = []
         listing = self.storage.ls()
-        self._existing = {n for n, size in listing.items() if size == -1}
-        for name, size in sorted(listing.items(), reverse=True):
+        self._listed(listing)
+        steps = []
+        for name, size in listing.items():
             step = parse_step(name)
-            if step is None or size != -1:
-                continue
+            if step is not None and size == DIR:
+                steps.append((step, name))
+            elif step is not None or (name.startswith("step-") and ".superseded-" not in name):
+                log.warning(
+                    "ignoring %s: not a step directory (%s)", self.storage.url(name),
+                    "a symbolic link or special file" if size == FOREIGN else
+                    "a file" if step is not None else f"not named {step_dir(0)[:5]}<9 digits>",
+                )  # fmt: skip
+        for _, name in sorted(steps, reverse=True):
             rec = self.read_commit(name)
             if rec is not None:
                 out.append(rec)
         return out
+
+    def _listed(self, listing: dict[str, int]) -> None:
+        self._existing = {n for n, size in listing.items() if size == DIR}
+        self._foreign = {n for n, size in listing.items() if size == FOREIGN}
 
     def read_commit(self, rel: str) -> dict | None:
         """The checked commit record of step dir `rel`, or None (with a warning naming why)."""
@@ -314,6 +331,12 @@ class CheckpointManager:
         except CommitError as e:
             log.warning("skipping %s: %s", self.storage.url(f"{rel}/{COMMIT}"), e)
             return None
+        foreign = [f for f in rec["files"] if present.get(f) == FOREIGN]
+        if foreign:
+            log.warning(
+                "skipping %s: links or special files, never read: %s", self.storage.url(rel), foreign[:5]
+            )
+            return None
         bad = [f for f, m in rec["files"].items() if present.get(f) != m["bytes"]]
         if bad:
             log.warning("skipping %s: files missing or of the wrong size: %s", self.storage.url(rel), bad[:5])
@@ -324,7 +347,7 @@ class CheckpointManager:
         """Rank 0 at start: remove step dirs that never committed (no COMMIT.json at all). A dir whose
         commit exists but fails to load is left alone: it may be someone's only copy."""
         for name, size in self.storage.ls().items():
-            if parse_step(name) is not None and size == -1 and not self.storage.exists(f"{name}/{COMMIT}"):
+            if parse_step(name) is not None and size == DIR and not self.storage.exists(f"{name}/{COMMIT}"):
                 log.info("removing incomplete checkpoint %s", self.storage.url(name))
                 self.storage.rm(name, recursive=True)
 
@@ -376,7 +399,7 @@ class CheckpointManager:
                     if why is None:
                         continue
                     from_remote.append(f"{name} ({why})")
-                    got = self.storage.get(f"{rec['dir']}/{name}", dst)
+                    got = self.storage.get(f"{rec['dir']}/{name}", dst, limit=want["bytes"])
                     if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
                         raise ChecksumMismatch(
                             f"{self.storage.url(rec['dir'] + '/' + name)}: expected {want['bytes']} bytes "
@@ -459,7 +482,7 @@ class CheckpointManager:
         neither auto-resume nor retention ever confuses them with this run's newer commits."""
         for name, size in self.storage.ls().items():
             n = parse_step(name)
-            if n is not None and n > step and size == -1:
+            if n is not None and n > step and size == DIR:
                 aside = f"{name}.superseded-{int(time.time())}"
                 log.warning(
                     "%s is newer than the resumed step %d: moving it to %s",
