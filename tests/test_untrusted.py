@@ -29,8 +29,10 @@ from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.data.shards import INDEX, ShardSource, pack
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
+from goodput.job import AlreadyDone, _prepare_run
 from goodput.lock import RunLock
 from goodput.storage import CHECKSUM, Storage, TooLarge
+from goodput.tracking import start_run
 from goodput.untrusted import UnsafePath, confined, safe_rel, why_unsafe
 
 
@@ -354,3 +356,49 @@ def test_a_malformed_attempt_record_is_moved_aside_and_counted(tmp_path, caplog,
     assert sorted(p.name for p in (tmp_path / "attempts").iterdir() if not p.name.startswith("0001"))[1] == (
         "0002.json"
     )
+
+
+# -- decisions taken from a commit use a verified one ------------------------------------------------
+def _job_cfg(tmp_path, name: str, max_steps: int) -> dict:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    return {
+        "run": {"resume": "auto", "name": name, "overwrite": False},
+        "trainer": {"max_steps": max_steps},
+        "mlflow": {"tracking_uri": uri, "experiment": "trust", "artifact_location": None},
+    }
+
+
+def test_a_junk_step_ahead_with_wrong_checksums_does_not_end_the_job(tmp_path, dist1, caplog):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    junk = remote / "step-000000100"
+    shutil.copytree(remote / "step-000000002", junk)
+    rec = json.loads((junk / COMMIT).read_text())
+    rec["step"] = 100
+    (junk / COMMIT).write_text(json.dumps(rec))
+    shard = next(p for p in junk.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum tells
+    shard.write_bytes(bytes(data))
+    committed = mgr.committed()
+    assert committed[0]["step"] == 100  # the cheap checks pass it
+    c = _job_cfg(tmp_path, "r", max_steps=12)
+    _prepare_run(c, mgr, committed, False, None)  # not AlreadyDone: step 2 is the newest that verifies
+    assert any("not trusting" in r.message and "step-000000100" in r.message for r in caplog.records)
+    c = _job_cfg(tmp_path, "r", max_steps=2)
+    with pytest.raises(AlreadyDone, match="step-000000002"):
+        _prepare_run(c, mgr, committed, False, None)
+
+
+def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1, caplog):  # noqa: F811
+    c = _job_cfg(tmp_path, "mine", max_steps=12)
+    theirs = start_run(c["mlflow"]["tracking_uri"], "trust", "theirs", {}, None)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    mgr.commit_info = {"mlflow_run_id": theirs, "run": "theirs", "config_hash": "0" * 16}
+    mgr.save(1, make_app(1)[0])
+    _prepare_run(c, mgr, mgr.committed(), True, None)
+    assert c["mlflow_run_id"] != theirs
+    assert any("written by run 'theirs'" in r.message for r in caplog.records)
+    c = _job_cfg(tmp_path, "theirs", max_steps=12)  # the run that wrote it does continue it
+    _prepare_run(c, mgr, mgr.committed(), True, None)
+    assert c["mlflow_run_id"] == theirs
+    assert any("under another config" in r.message for r in caplog.records)

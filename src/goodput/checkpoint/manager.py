@@ -40,6 +40,7 @@ from goodput.checkpoint.layout import (
 from goodput.checkpoint.state import AppState
 from goodput.signals import signals_blocked
 from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
+from goodput.untrusted import regular
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +343,39 @@ class CheckpointManager:
             log.warning("skipping %s: files missing or of the wrong size: %s", self.storage.url(rel), bad[:5])
             return None
         return rec
+
+    def verify(self, rec: dict) -> str | None:
+        """None when every file of commit `rec` has its recorded size and checksum, else what is
+        wrong, naming the file. Reads the node-local copy of that save where staging keeps it (a
+        local read), else streams the remote file through its checksum (nothing written)."""
+        kept = os.path.join(self.cfg.staging_dir, rec["dir"])
+        for name, want in rec["files"].items():
+            try:
+                got = file_digest(regular(os.path.join(kept, name), "staging"))
+                if got.size == want["bytes"] and got.digest == want[CHECKSUM]:
+                    continue
+            except (OSError, ValueError):
+                pass
+            url = self.storage.url(f"{rec['dir']}/{name}")
+            try:
+                got = self.storage.digest(f"{rec['dir']}/{name}", limit=want["bytes"])
+            except Exception as e:
+                return f"{url}: unreadable ({e})"
+            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                return (
+                    f"{url}: {got.size} bytes with {CHECKSUM} {got.digest}, the commit records "
+                    f"{want['bytes']} bytes with {want[CHECKSUM]}"
+                )
+        return None
+
+    def newest_verified(self, committed: list[dict]) -> dict | None:
+        """The newest of `committed` whose bytes verify (`verify`); each one skipped is a warning."""
+        for rec in committed:
+            why = self.verify(rec)
+            if why is None:
+                return rec
+            log.warning("not trusting %s: %s", self.storage.url(rec["dir"]), why)
+        return None
 
     def clean_incomplete(self) -> None:
         """Rank 0 at start: remove step dirs that never committed (no COMMIT.json at all). A dir whose
