@@ -402,3 +402,68 @@ def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1,
     _prepare_run(c, mgr, mgr.committed(), True, None)
     assert c["mlflow_run_id"] == theirs
     assert any("under another config" in r.message for r in caplog.records)
+
+
+# -- caches that outlive the truth -------------------------------------------------------------------
+def test_a_cached_copy_of_a_since_fixed_remote_file_is_fetched_again(folder, tmp_path, caplog):
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    shutil.copytree(folder, data)
+    rel = ImageFolder(Storage(str(data)), "train").files[3]
+    good = (data / rel).read_bytes()
+    (data / rel).write_bytes(good[: len(good) // 2])  # truncated on the remote
+    first = CachedSource(Storage(str(data)), str(cache))
+    first.open("train")
+    first.prefetch([rel], set())
+    _wait_idle(first)
+    assert first.read(rel)[0] == good[: len(good) // 2]  # cached as it was
+    first.close()
+    (data / rel).write_bytes(good)  # fixed on the remote, as the decode error advises
+    for via_prefetch in (False, True):
+        src = CachedSource(Storage(str(data)), str(cache))  # the next run lists the remote again
+        src.open("train")
+        if via_prefetch:
+            (tmp_path / "cache").joinpath(os.path.relpath(src.local_path(rel), cache)).write_bytes(b"x")
+            src.prefetch([rel], set())
+            _wait_idle(src)
+        got, hit, _ = src.read(rel)
+        assert got == good, via_prefetch
+        assert hit is via_prefetch  # the prefetch refetched it; else the read did
+        src.close()
+    assert any("the remote lists" in r.message and rel in r.message for r in caplog.records)
+
+
+def test_a_cached_shard_of_the_wrong_size_is_fetched_again(folder, tmp_path):
+    index = _packed(folder, tmp_path / "packed")
+    store = Storage(str(tmp_path / "packed"))
+    src = ShardSource(store, str(tmp_path / "cache"))
+    files = src.open("train")
+    rel = files.files[0]
+    shard, off, n = files.where[rel]
+    src.read(rel)
+    src.close()
+    with open(src.local_path(shard), "r+b") as f:
+        f.truncate(off + n // 2)  # a short shard in the cache (a fill from a broken remote copy)
+    src = ShardSource(store, str(tmp_path / "cache"))
+    src.open("train")
+    data, hit, fetched = src.read(rel)
+    assert (
+        data == store.read_bytes(shard)[off : off + n]
+        and not hit
+        and fetched == index["splits"]["train"]["shards"][0]["bytes"]
+    )
+    src.close()
+
+
+def test_a_restore_from_the_local_copy_names_a_corrupt_remote_file(tmp_path, dist1, caplog):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    rec = mgr.committed()[0]
+    victim = next(n for n in rec["files"] if n != ".metadata")
+    data = bytearray((remote / "step-000000002" / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the remote copy rots; staging still holds a good one
+    (remote / "step-000000002" / victim).write_bytes(bytes(data))
+    got, _ = mgr.restore(make_app(5)[0], mgr.committed())
+    assert got["step"] == 2  # served from the verified node-local copy
+    mgr.remote_check.join(30)
+    assert len(mgr.remote_corrupt) == 1 and f"step-000000002/{victim}" in mgr.remote_corrupt[0]
+    assert any("remote copy of the restored checkpoint is bad" in r.message for r in caplog.records)
+    assert (remote / "step-000000002" / victim).read_bytes() == bytes(data)  # reported, not rewritten

@@ -81,6 +81,8 @@ class CheckpointManager:
         self.last_committed_step: int | None = None
         self._existing: set[str] | None = None  # step dirs on the remote at start (rank 0)
         self._foreign: set[str] = set()  # links and special files there: never written through
+        self.remote_check: threading.Thread | None = None  # verifying the remote after a local restore
+        self.remote_corrupt: list[str] = []  # what it found
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
@@ -344,13 +346,15 @@ class CheckpointManager:
             return None
         return rec
 
-    def verify(self, rec: dict) -> str | None:
+    def verify(self, rec: dict, local: bool = True) -> str | None:
         """None when every file of commit `rec` has its recorded size and checksum, else what is
         wrong, naming the file. Reads the node-local copy of that save where staging keeps it (a
-        local read), else streams the remote file through its checksum (nothing written)."""
+        local read; not with `local=False`), else streams the remote file through its checksum."""
         kept = os.path.join(self.cfg.staging_dir, rec["dir"])
         for name, want in rec["files"].items():
             try:
+                if not local:
+                    raise FileNotFoundError(name)
                 got = file_digest(regular(os.path.join(kept, name), "staging"))
                 if got.size == want["bytes"] and got.digest == want[CHECKSUM]:
                     continue
@@ -426,11 +430,12 @@ class CheckpointManager:
                 shutil.rmtree(local, ignore_errors=True)
                 os.makedirs(local)
                 kept = os.path.join(self.cfg.staging_dir, rec["dir"])
-                from_remote = []
+                from_remote, served_locally = [], []
                 for name, want in rec["files"].items():
                     dst = os.path.join(local, name)
                     why = _link_if_verified(os.path.join(kept, name), dst, want)
                     if why is None:
+                        served_locally.append(name)
                         continue
                     from_remote.append(f"{name} ({why})")
                     got = self.storage.get(f"{rec['dir']}/{name}", dst, limit=want["bytes"])
@@ -440,6 +445,7 @@ class CheckpointManager:
                             f"with {CHECKSUM} {want[CHECKSUM]}, got {got.size} bytes with {got.digest}"
                         )
                 n_local = len(rec["files"]) - len(from_remote)
+                self._served_locally = (rec["dir"], served_locally)
                 if from_remote:
                     log.info(
                         "restore %s: %d file(s) from the node-local copy, %d from the remote: %s",
@@ -457,6 +463,29 @@ class CheckpointManager:
         if not os.path.exists(marker):
             raise RuntimeError(f"fetching {self.storage.url(rec['dir'])} failed: {err!r}")
         return local
+
+    def _check_remote_later(self, rec: dict, names: list[str]) -> None:
+        """The node-local copy served these files of `rec`: verify their remote copies in the
+        background (the remote is what a new node reads) and name each corrupt one. Report only:
+        rewriting a committed step dir would break the rule that nothing writes into one, and the
+        next commit supersedes it anyway; the warning says how to repair it by hand."""
+
+        def check():
+            for name in names:
+                why = self.verify({"dir": rec["dir"], "files": {name: rec["files"][name]}}, local=False)
+                if why is not None and not self.storage.exists(f"{rec['dir']}/{COMMIT}"):
+                    return  # retention removed the step meanwhile: nothing left to report on
+                if why is not None:
+                    self.remote_corrupt.append(why)
+                    log.warning(
+                        "remote copy of the restored checkpoint is bad: %s. This run restored from the "
+                        "verified node-local copy; a new node would fall back to an older commit until the "
+                        "next one (copy %s over it to repair it now)",
+                        why, os.path.join(self.cfg.staging_dir, rec["dir"], name),
+                    )  # fmt: skip
+
+        self.remote_check = threading.Thread(target=check, name=f"verify-{rec['dir']}", daemon=True)
+        self.remote_check.start()
 
     def restore(self, app: AppState, candidates: list[dict]) -> tuple[dict | None, list[str]]:
         """Load the first candidate that loads on *every* rank. Returns (record, skipped reasons).
@@ -502,6 +531,9 @@ class CheckpointManager:
                 ) from err
             if self._agree(err is None):
                 self.last_committed_step = rec["step"]
+                served = getattr(self, "_served_locally", (None, []))
+                if self.local_rank == 0 and served[0] == rec["dir"] and served[1]:
+                    self._check_remote_later(rec, served[1])
                 if self.world > 1:
                     dist.barrier()
                 if self.local_rank == 0:  # staging space is small: drop the downloaded copy
