@@ -62,6 +62,9 @@ def verify(store: Storage, name: str) -> list[str]:
         except FileNotFoundError:
             problems.append(f"{url}: missing")
             continue
+        except (OSError, ValueError) as e:  # a link or special file (refused unread), an I/O error
+            problems.append(f"{url}: unreadable: {e}")
+            continue
         if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
             problems.append(
                 f"{url}: expected {want['bytes']} bytes with {CHECKSUM} {want[CHECKSUM]}, "
@@ -109,7 +112,9 @@ def main() -> None:
         store, names = Storage(parent), [name]
     else:
         store = Storage(a.dir)
-        names = sorted(n for n, s in store.ls().items() if s == -1 and parse_step(n) is not None)
+        names = sorted(
+            (n for n, s in store.ls().items() if s == -1 and parse_step(n) is not None), key=parse_step
+        )
     if not names:
         p.error(f"no step-* checkpoint directories in {a.dir}")
     if a.verify:

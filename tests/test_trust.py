@@ -416,7 +416,7 @@ def test_restore_reads_the_verified_local_copy_and_not_a_bad_one(tmp_path, dist1
     assert not (tmp_path / "staging" / "step-000000001").exists()  # and only that one
     reads = []
     real_get = mgr.storage.get
-    mgr.storage.get = lambda rel, dst: reads.append(rel) or real_get(rel, dst)
+    mgr.storage.get = lambda rel, dst, **kw: reads.append(rel) or real_get(rel, dst, **kw)
 
     caplog.set_level("INFO")
     target, *_ = make_app(7)

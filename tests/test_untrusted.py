@@ -10,16 +10,29 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import xxhash
+from conftest import REPO
+from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
 
+from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
+from goodput.checkpoint.manager import SaveFailed
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.data.shards import INDEX, ShardSource, pack
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage
+from goodput.resilience.accounting import Attempts
+from goodput.resilience.lock import RunLock
+from goodput.run.job import AlreadyDone, _prepare_run
+from goodput.storage import CHECKSUM, Storage, TooLarge
+from goodput.tracking import start_run
 from goodput.untrusted import UnsafePath, confined, safe_rel, why_unsafe
 
 
@@ -186,3 +199,271 @@ def test_storage_never_reads_or_writes_through_a_link_or_outside_its_root(tmp_pa
             call()
     assert sorted(os.listdir(outside)) == ["secret"]
     assert store.ls()["step-000000001"] == -2 and store.ls()["fifo"] == -2  # FOREIGN: neither file nor dir
+
+
+# -- names and links in the checkpoint store ---------------------------------------------------------
+def _two_steps(tmp_path, dist1):  # noqa: F811
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(1)
+    mgr.save(1, app)
+    app.model.head.weight.data.add_(1.0)
+    mgr.save(2, app)
+    mgr.wait()
+    return mgr, app, tmp_path / "remote"
+
+
+@pytest.mark.parametrize("spelling", ["step-1", "step-0000000001", "step-\u0661\u0662\u0663", "step-\u00b2"])
+def test_another_spelling_is_ignored_and_never_moves_the_real_newest(tmp_path, dist1, caplog, spelling):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    shutil.copytree(remote / "step-000000001", remote / spelling)  # an old step, renamed
+    relaunch = manager(tmp_path, "dcp_sync", dist1)
+    relaunch.clean_incomplete()  # never crashes on a name int() refuses (step-²)
+    found = relaunch.committed()
+    assert [r["step"] for r in found] == [2, 1]
+    assert any(spelling in r.message and "ignoring" in r.message for r in caplog.records)
+    rec, _ = relaunch.restore(make_app(5)[0], found)
+    relaunch.supersede_after(rec["step"])
+    assert rec["step"] == 2 and (remote / "step-000000002").is_dir()  # the real newest stays
+    assert (remote / spelling).is_dir()  # the foreign entry is left alone, never moved over anything
+
+
+def test_steps_are_ordered_by_number_not_by_name(tmp_path, dist1):  # noqa: F811
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(1)
+    for step in (999999999, 1000000000):  # 9 then 10 digits: "step-1..." sorts below "step-9..."
+        mgr.save(step, app)
+    assert [r["step"] for r in mgr.committed()] == [1000000000, 999999999]
+
+
+def test_a_step_dir_that_is_a_link_is_never_written_through_nor_loaded(tmp_path, dist1, caplog):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    other = tmp_path / "other-run" / "step-000000003"  # another run's committed checkpoint
+    shutil.copytree(remote / "step-000000002", other)
+    before = {p.name: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    (remote / "step-000000003").symlink_to(other, target_is_directory=True)
+    relaunch = manager(tmp_path, "dcp_sync", dist1)
+    assert [r["step"] for r in relaunch.committed()] == [2, 1]  # the link is not a step
+    assert any("step-000000003" in r.message and "symbolic link" in r.message for r in caplog.records)
+    with pytest.raises(SaveFailed, match=r"step-000000003 is a symbolic link"):
+        relaunch.save(3, app)
+    assert {p.name: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+
+
+def test_a_committed_file_that_is_a_fifo_or_link_is_never_opened(tmp_path, dist1):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    for p in (tmp_path / "staging").glob("step-*"):
+        shutil.rmtree(p)  # the remote is what is read
+    step = remote / "step-000000002"
+    rec = json.loads((step / COMMIT).read_text())
+    victim = next(n for n in rec["files"] if n != ".metadata")
+    os.unlink(step / victim)
+    os.mkfifo(tmp_path / "fifo")
+    (step / victim).symlink_to(tmp_path / "fifo")  # its stat size (0) matches the re-signed record
+    rec["files"][victim] = {"bytes": 0, CHECKSUM: xxhash.xxh3_128(b"").hexdigest()}
+    (step / COMMIT).write_text(json.dumps(rec))
+    out = {}
+    th = threading.Thread(
+        target=lambda: out.update(r=mgr.restore(make_app(5)[0], mgr.committed())), daemon=True
+    )
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "restore blocked on the FIFO"
+    rec, skipped = out["r"]
+    assert rec["step"] == 1, skipped
+
+
+def test_a_download_stops_at_the_recorded_size(tmp_path):
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote" / "big").write_bytes(b"x" * (3 << 20))
+    store = Storage(str(tmp_path / "remote"))
+    store.CHUNK = 1 << 16
+    with pytest.raises(TooLarge, match="1000 bytes"):
+        store.get("big", str(tmp_path / "local"), limit=1000)
+    assert not (tmp_path / "local").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert store.get("big", str(tmp_path / "local"), limit=3 << 20).size == 3 << 20
+
+
+# -- the small records -------------------------------------------------------------------------------
+DEEP = b"[" * 100000 + b"]" * 100000
+
+
+@pytest.mark.parametrize(
+    "record", [DEEP, b'{"step": ' + DEEP + b"}", b"\xff\xfe", b"[1, 2]", b'{"step": 1e999999}', b"1" * 5000]
+)
+def test_a_malformed_commit_record_is_a_refusal_naming_the_file(tmp_path, dist1, caplog, record):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    (remote / "step-000000002" / COMMIT).write_bytes(record)
+    assert [r["step"] for r in mgr.committed()] == [1]
+    assert any("step-000000002/COMMIT.json" in r.message for r in caplog.records)
+    for parse in (lambda: parse_commit(record, "step-000000002"), lambda: parse_manifest(record, 0)):
+        with pytest.raises(CommitError):
+            parse()
+
+
+def test_inspect_verify_names_a_deeply_nested_commit_and_a_fifo_without_crashing(tmp_path, dist1):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    (remote / "step-000000002" / COMMIT).write_bytes(DEEP)
+    step1 = remote / "step-000000001"
+    victim = next(n for n in json.loads((step1 / COMMIT).read_text())["files"] if n != ".metadata")
+    os.unlink(step1 / victim)
+    os.mkfifo(step1 / victim)
+    p = subprocess.run(
+        [sys.executable, "scripts/inspect_checkpoint.py", "--verify", str(remote)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "step-000000002/COMMIT.json" in p.stdout and f"step-000000001/{victim}" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize(
+    "record",
+    [b"", b"not json", DEEP, b"[]", b'{"host": 1}', b'{"host": "h", "pid": "7", "token": "t", "started": 0}',
+     b'{"host": "h", "pid": 99999999999999999999, "token": "t", "started": 0}'],
+)  # fmt: skip
+def test_a_malformed_lock_is_moved_aside_and_the_job_runs(tmp_path, caplog, record):
+    store = Storage(str(tmp_path))
+    (tmp_path / RunLock.NAME).write_bytes(record)
+    lock = RunLock(store)
+    lock.acquire()
+    lock.release()
+    asides = [p for p in tmp_path.iterdir() if p.name.startswith(f"{RunLock.NAME}.malformed-")]
+    assert len(asides) == 1 and asides[0].read_bytes() == record
+    assert any("moving it to" in r.message and RunLock.NAME in r.message for r in caplog.records)
+
+
+def test_a_lock_naming_this_process_with_another_token_is_stale(tmp_path, caplog):
+    """A container restarted with the same PID: the old lock names the new process."""
+    store = Storage(str(tmp_path))
+    old = RunLock(store)
+    old._write()  # left behind by the previous life of this PID
+    new = RunLock(store)
+    new.acquire()
+    new.release()
+    assert any("names this process" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("record", [DEEP, b"{}", b'{"attempt": 1, "start": "x"}', b"[]", b"\xff"])
+def test_a_malformed_attempt_record_is_moved_aside_and_counted(tmp_path, caplog, record):
+    store = Storage(str(tmp_path))
+    first = Attempts(store)
+    first.begin(None)
+    (tmp_path / "attempts" / "0001.json").write_bytes(record)
+    second = Attempts(store)
+    assert [a["attempt"] for a in second.previous()] == [0]
+    assert any("attempts/0001.json" in r.message and "moving it" in r.message for r in caplog.records)
+    assert second.begin(None) == 2  # the number stays taken: nothing is overwritten
+    assert second.lost_steps() == 0
+    assert sorted(p.name for p in (tmp_path / "attempts").iterdir() if not p.name.startswith("0001"))[1] == (
+        "0002.json"
+    )
+
+
+# -- decisions taken from a commit use a verified one ------------------------------------------------
+def _job_cfg(tmp_path, name: str, max_steps: int) -> dict:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    return {
+        "run": {"resume": "auto", "name": name, "overwrite": False},
+        "trainer": {"max_steps": max_steps},
+        "mlflow": {"tracking_uri": uri, "experiment": "trust", "artifact_location": None},
+    }
+
+
+def test_a_junk_step_ahead_with_wrong_checksums_does_not_end_the_job(tmp_path, dist1, caplog):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    junk = remote / "step-000000100"
+    shutil.copytree(remote / "step-000000002", junk)
+    rec = json.loads((junk / COMMIT).read_text())
+    rec["step"] = 100
+    (junk / COMMIT).write_text(json.dumps(rec))
+    shard = next(p for p in junk.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum tells
+    shard.write_bytes(bytes(data))
+    committed = mgr.committed()
+    assert committed[0]["step"] == 100  # the cheap checks pass it
+    c = _job_cfg(tmp_path, "r", max_steps=12)
+    _prepare_run(c, mgr, committed, False, None)  # not AlreadyDone: step 2 is the newest that verifies
+    assert any("not trusting" in r.message and "step-000000100" in r.message for r in caplog.records)
+    c = _job_cfg(tmp_path, "r", max_steps=2)
+    with pytest.raises(AlreadyDone, match="step-000000002"):
+        _prepare_run(c, mgr, committed, False, None)
+
+
+def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1, caplog):  # noqa: F811
+    c = _job_cfg(tmp_path, "mine", max_steps=12)
+    theirs = start_run(c["mlflow"]["tracking_uri"], "trust", "theirs", {}, None)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    mgr.commit_info = {"mlflow_run_id": theirs, "run": "theirs", "config_hash": "0" * 16}
+    mgr.save(1, make_app(1)[0])
+    _prepare_run(c, mgr, mgr.committed(), True, None)
+    assert c["mlflow_run_id"] != theirs
+    assert any("written by run 'theirs'" in r.message for r in caplog.records)
+    c = _job_cfg(tmp_path, "theirs", max_steps=12)  # the run that wrote it does continue it
+    _prepare_run(c, mgr, mgr.committed(), True, None)
+    assert c["mlflow_run_id"] == theirs
+    assert any("under another config" in r.message for r in caplog.records)
+
+
+# -- caches that outlive the truth -------------------------------------------------------------------
+def test_a_cached_copy_of_a_since_fixed_remote_file_is_fetched_again(folder, tmp_path, caplog):
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    shutil.copytree(folder, data)
+    rel = ImageFolder(Storage(str(data)), "train").files[3]
+    good = (data / rel).read_bytes()
+    (data / rel).write_bytes(good[: len(good) // 2])  # truncated on the remote
+    first = CachedSource(Storage(str(data)), str(cache))
+    first.open("train")
+    first.prefetch([rel], set())
+    _wait_idle(first)
+    assert first.read(rel)[0] == good[: len(good) // 2]  # cached as it was
+    first.close()
+    (data / rel).write_bytes(good)  # fixed on the remote, as the decode error advises
+    for via_prefetch in (False, True):
+        src = CachedSource(Storage(str(data)), str(cache))  # the next run lists the remote again
+        src.open("train")
+        if via_prefetch:
+            (tmp_path / "cache").joinpath(os.path.relpath(src.local_path(rel), cache)).write_bytes(b"x")
+            src.prefetch([rel], set())
+            _wait_idle(src)
+        got, hit, _ = src.read(rel)
+        assert got == good, via_prefetch
+        assert hit is via_prefetch  # the prefetch refetched it; else the read did
+        src.close()
+    assert any("the remote lists" in r.message and rel in r.message for r in caplog.records)
+
+
+def test_a_cached_shard_of_the_wrong_size_is_fetched_again(folder, tmp_path):
+    index = _packed(folder, tmp_path / "packed")
+    store = Storage(str(tmp_path / "packed"))
+    src = ShardSource(store, str(tmp_path / "cache"))
+    files = src.open("train")
+    rel = files.files[0]
+    shard, off, n = files.where[rel]
+    src.read(rel)
+    src.close()
+    with open(src.local_path(shard), "r+b") as f:
+        f.truncate(off + n // 2)  # a short shard in the cache (a fill from a broken remote copy)
+    src = ShardSource(store, str(tmp_path / "cache"))
+    src.open("train")
+    data, hit, fetched = src.read(rel)
+    assert (
+        data == store.read_bytes(shard)[off : off + n]
+        and not hit
+        and fetched == index["splits"]["train"]["shards"][0]["bytes"]
+    )
+    src.close()
+
+
+def test_a_restore_from_the_local_copy_names_a_corrupt_remote_file(tmp_path, dist1, caplog):  # noqa: F811
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    rec = mgr.committed()[0]
+    victim = next(n for n in rec["files"] if n != ".metadata")
+    data = bytearray((remote / "step-000000002" / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the remote copy rots; staging still holds a good one
+    (remote / "step-000000002" / victim).write_bytes(bytes(data))
+    got, _ = mgr.restore(make_app(5)[0], mgr.committed())
+    assert got["step"] == 2  # served from the verified node-local copy
+    mgr.remote_check.join(30)
+    assert len(mgr.remote_corrupt) == 1 and f"step-000000002/{victim}" in mgr.remote_corrupt[0]
+    assert any("remote copy of the restored checkpoint is bad" in r.message for r in caplog.records)
+    assert (remote / "step-000000002" / victim).read_bytes() == bytes(data)  # reported, not rewritten

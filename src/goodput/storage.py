@@ -337,17 +337,18 @@ class Storage:
 
         return self._retry(f"upload {local_path} -> {self.url(rel)}", _put)
 
-    def digest(self, rel: str) -> Transfer:
-        """Size and checksum of a remote file, streamed (nothing written locally)."""
+    def digest(self, rel: str, limit: int | None = None) -> Transfer:
+        """Size and checksum of a remote file, streamed (nothing written locally). `limit`: as get's."""
+
+        class _Sink:
+            def write(self, buf):
+                pass
 
         def _digest():
-            h, n = xxhash.xxh3_128(), 0
             with self.fs.open(self._file(rel), "rb") as src:
-                while buf := src.read(self.CHUNK):
-                    h.update(buf)
-                    n += len(buf)
-            self._transfer(n)
-            return Transfer(n, h.hexdigest())
+                t = _copy_hashing(src, _Sink(), self.CHUNK, limit)
+            self._transfer(t.size)
+            return t
 
         return self._retry(f"read {self.url(rel)}", _digest)
 

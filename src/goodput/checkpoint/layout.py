@@ -22,6 +22,7 @@ import os
 import re
 
 from goodput.storage import CHECKSUM
+from goodput.untrusted import RecordError, parse_record
 
 COMMIT = "COMMIT.json"
 RANKS = "ranks"
@@ -33,7 +34,7 @@ _FILE = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]{0,200})$")
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 
-class CommitError(ValueError):
+class CommitError(RecordError):
     """A commit record that is missing, malformed or inconsistent: the checkpoint is not loadable."""
 
 
@@ -41,10 +42,17 @@ def step_dir(step: int) -> str:
     return f"step-{step:09d}"
 
 
+_STEP = re.compile(r"step-([0-9]{9,})")  # ASCII digits only: str.isdigit() accepts digits int() refuses
+
+
 def parse_step(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+    """The step of a step dir's name, or None. One spelling per step, the one `step_dir` writes
+    (9 digits, more only past 999999999): `step-0000000120` or `step-١٢٠` is not step 120, so a
+    copy of an old step under another spelling can never pass for a newer one."""
+    m = _STEP.fullmatch(name)
+    if m is None or step_dir(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
 
 
 def local_commits(ckpt_dir) -> list[tuple[int, str]]:
@@ -52,8 +60,8 @@ def local_commits(ckpt_dir) -> list[tuple[int, str]]:
     scripts and tests looking at a finished run; it does not check the record (parse_commit does)."""
     out = []
     for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
-        step = parse_step(name)
-        if step is not None and os.path.isfile(os.path.join(ckpt_dir, name, COMMIT)):
+        step, path = parse_step(name), os.path.join(ckpt_dir, name)
+        if step is not None and not os.path.islink(path) and os.path.isfile(os.path.join(path, COMMIT)):
             out.append((step, os.path.join(ckpt_dir, name)))
     return sorted(out)
 
@@ -85,11 +93,9 @@ def check_files(files: object, allow_empty: bool = False) -> dict[str, dict]:
 def parse_commit(data: bytes, rel: str) -> dict:
     """Parse and check the COMMIT.json of step dir `rel`. Raises CommitError saying what is wrong."""
     try:
-        rec = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CommitError(f"unreadable {COMMIT}: {e}") from e
-    if not isinstance(rec, dict):
-        raise CommitError(f"{COMMIT} is not an object")
+        rec = parse_record(data, COMMIT)
+    except RecordError as e:
+        raise CommitError(str(e)) from None
     step = rec.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step != parse_step(rel.rsplit("/", 1)[-1]):
         raise CommitError(f"step {step!r} does not match the directory {rel}")
@@ -124,7 +130,10 @@ def manifest(files: dict[str, dict]) -> bytes:
 
 
 def parse_manifest(data: bytes, rank: int) -> dict[str, dict]:
+    what = f"{RANKS}/{rank}.json"
     try:
-        return check_files(json.loads(data)["files"], allow_empty=True)
-    except (ValueError, KeyError, TypeError, CommitError) as e:
-        raise CommitError(f"{RANKS}/{rank}.json: {e}") from e
+        return check_files(parse_record(data, what).get("files"), allow_empty=True)
+    except CommitError as e:
+        raise CommitError(f"{what}: {e}") from None
+    except RecordError as e:
+        raise CommitError(str(e)) from None

@@ -39,7 +39,8 @@ from goodput.checkpoint.layout import (
 )
 from goodput.checkpoint.state import AppState
 from goodput.resilience.signals import signals_blocked
-from goodput.storage import CHECKSUM, Storage, file_digest
+from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
+from goodput.untrusted import regular
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
         self._existing: set[str] | None = None  # step dirs on the remote at start (rank 0)
+        self._foreign: set[str] = set()  # links and special files there: never written through
+        self.remote_check: threading.Thread | None = None  # verifying the remote after a local restore
+        self.remote_corrupt: list[str] = []  # what it found
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
@@ -204,7 +208,9 @@ class CheckpointManager:
         of deleting it: it might hold the only copy of something."""
         rel = step_dir(step)
         if self._existing is None:  # one listing per attempt, not a remote round trip per save
-            self._existing = {n for n, size in self.storage.ls().items() if size == -1}
+            self._listed(self.storage.ls())
+        if rel in self._foreign:  # a link would be written through: refuse, touch nothing
+            raise SaveFailed(f"{self.storage.url(rel)} is a symbolic link or special file: remove it")
         if rel in self._existing and self.storage.exists(rel):
             self._existing.discard(rel)
             aside = f"{rel}.superseded-{int(time.time())}"
@@ -290,19 +296,33 @@ class CheckpointManager:
 
     # -- discovery ---------------------------------------------------------------------------
     def committed(self) -> list[dict]:
-        """Committed checkpoints, newest first. Cheap checks only: COMMIT.json parses and every
-        listed file exists with its size. Loading is the real test (see restore)."""
+        """Committed checkpoints, newest first (by the parsed step, not the name). Cheap checks only:
+        COMMIT.json parses and every listed file exists with its size. Loading is the real test (see
+        restore). An entry that is not a step dir in the one form `step_dir` writes (another spelling,
+        a link, a file) is ignored with a warning naming it: it never decides what is loaded."""
         out = []
         listing = self.storage.ls()
-        self._existing = {n for n, size in listing.items() if size == -1}
-        for name, size in sorted(listing.items(), reverse=True):
+        self._listed(listing)
+        steps = []
+        for name, size in listing.items():
             step = parse_step(name)
-            if step is None or size != -1:
-                continue
+            if step is not None and size == DIR:
+                steps.append((step, name))
+            elif step is not None or (name.startswith("step-") and ".superseded-" not in name):
+                log.warning(
+                    "ignoring %s: not a step directory (%s)", self.storage.url(name),
+                    "a symbolic link or special file" if size == FOREIGN else
+                    "a file" if step is not None else f"not named {step_dir(0)[:5]}<9 digits>",
+                )  # fmt: skip
+        for _, name in sorted(steps, reverse=True):
             rec = self.read_commit(name)
             if rec is not None:
                 out.append(rec)
         return out
+
+    def _listed(self, listing: dict[str, int]) -> None:
+        self._existing = {n for n, size in listing.items() if size == DIR}
+        self._foreign = {n for n, size in listing.items() if size == FOREIGN}
 
     def read_commit(self, rel: str) -> dict | None:
         """The checked commit record of step dir `rel`, or None (with a warning naming why)."""
@@ -314,17 +334,58 @@ class CheckpointManager:
         except CommitError as e:
             log.warning("skipping %s: %s", self.storage.url(f"{rel}/{COMMIT}"), e)
             return None
+        foreign = [f for f in rec["files"] if present.get(f) == FOREIGN]
+        if foreign:
+            log.warning(
+                "skipping %s: links or special files, never read: %s", self.storage.url(rel), foreign[:5]
+            )
+            return None
         bad = [f for f, m in rec["files"].items() if present.get(f) != m["bytes"]]
         if bad:
             log.warning("skipping %s: files missing or of the wrong size: %s", self.storage.url(rel), bad[:5])
             return None
         return rec
 
+    def verify(self, rec: dict, local: bool = True) -> str | None:
+        """None when every file of commit `rec` has its recorded size and checksum, else what is
+        wrong, naming the file. Reads the node-local copy of that save where staging keeps it (a
+        local read; not with `local=False`), else streams the remote file through its checksum."""
+        kept = os.path.join(self.cfg.staging_dir, rec["dir"])
+        for name, want in rec["files"].items():
+            try:
+                if not local:
+                    raise FileNotFoundError(name)
+                got = file_digest(regular(os.path.join(kept, name), "staging"))
+                if got.size == want["bytes"] and got.digest == want[CHECKSUM]:
+                    continue
+            except (OSError, ValueError):
+                pass
+            url = self.storage.url(f"{rec['dir']}/{name}")
+            try:
+                got = self.storage.digest(f"{rec['dir']}/{name}", limit=want["bytes"])
+            except Exception as e:
+                return f"{url}: unreadable ({e})"
+            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                return (
+                    f"{url}: {got.size} bytes with {CHECKSUM} {got.digest}, the commit records "
+                    f"{want['bytes']} bytes with {want[CHECKSUM]}"
+                )
+        return None
+
+    def newest_verified(self, committed: list[dict]) -> dict | None:
+        """The newest of `committed` whose bytes verify (`verify`); each one skipped is a warning."""
+        for rec in committed:
+            why = self.verify(rec)
+            if why is None:
+                return rec
+            log.warning("not trusting %s: %s", self.storage.url(rec["dir"]), why)
+        return None
+
     def clean_incomplete(self) -> None:
         """Rank 0 at start: remove step dirs that never committed (no COMMIT.json at all). A dir whose
         commit exists but fails to load is left alone: it may be someone's only copy."""
         for name, size in self.storage.ls().items():
-            if parse_step(name) is not None and size == -1 and not self.storage.exists(f"{name}/{COMMIT}"):
+            if parse_step(name) is not None and size == DIR and not self.storage.exists(f"{name}/{COMMIT}"):
                 log.info("removing incomplete checkpoint %s", self.storage.url(name))
                 self.storage.rm(name, recursive=True)
 
@@ -369,20 +430,22 @@ class CheckpointManager:
                 shutil.rmtree(local, ignore_errors=True)
                 os.makedirs(local)
                 kept = os.path.join(self.cfg.staging_dir, rec["dir"])
-                from_remote = []
+                from_remote, served_locally = [], []
                 for name, want in rec["files"].items():
                     dst = os.path.join(local, name)
                     why = _link_if_verified(os.path.join(kept, name), dst, want)
                     if why is None:
+                        served_locally.append(name)
                         continue
                     from_remote.append(f"{name} ({why})")
-                    got = self.storage.get(f"{rec['dir']}/{name}", dst)
+                    got = self.storage.get(f"{rec['dir']}/{name}", dst, limit=want["bytes"])
                     if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
                         raise ChecksumMismatch(
                             f"{self.storage.url(rec['dir'] + '/' + name)}: expected {want['bytes']} bytes "
                             f"with {CHECKSUM} {want[CHECKSUM]}, got {got.size} bytes with {got.digest}"
                         )
                 n_local = len(rec["files"]) - len(from_remote)
+                self._served_locally = (rec["dir"], served_locally)
                 if from_remote:
                     log.info(
                         "restore %s: %d file(s) from the node-local copy, %d from the remote: %s",
@@ -400,6 +463,29 @@ class CheckpointManager:
         if not os.path.exists(marker):
             raise RuntimeError(f"fetching {self.storage.url(rec['dir'])} failed: {err!r}")
         return local
+
+    def _check_remote_later(self, rec: dict, names: list[str]) -> None:
+        """The node-local copy served these files of `rec`: verify their remote copies in the
+        background (the remote is what a new node reads) and name each corrupt one. Report only:
+        rewriting a committed step dir would break the rule that nothing writes into one, and the
+        next commit supersedes it anyway; the warning says how to repair it by hand."""
+
+        def check():
+            for name in names:
+                why = self.verify({"dir": rec["dir"], "files": {name: rec["files"][name]}}, local=False)
+                if why is not None and not self.storage.exists(f"{rec['dir']}/{COMMIT}"):
+                    return  # retention removed the step meanwhile: nothing left to report on
+                if why is not None:
+                    self.remote_corrupt.append(why)
+                    log.warning(
+                        "remote copy of the restored checkpoint is bad: %s. This run restored from the "
+                        "verified node-local copy; a new node would fall back to an older commit until the "
+                        "next one (copy %s over it to repair it now)",
+                        why, os.path.join(self.cfg.staging_dir, rec["dir"], name),
+                    )  # fmt: skip
+
+        self.remote_check = threading.Thread(target=check, name=f"verify-{rec['dir']}", daemon=True)
+        self.remote_check.start()
 
     def restore(self, app: AppState, candidates: list[dict]) -> tuple[dict | None, list[str]]:
         """Load the first candidate that loads on *every* rank. Returns (record, skipped reasons).
@@ -445,6 +531,9 @@ class CheckpointManager:
                 ) from err
             if self._agree(err is None):
                 self.last_committed_step = rec["step"]
+                served = getattr(self, "_served_locally", (None, []))
+                if self.local_rank == 0 and served[0] == rec["dir"] and served[1]:
+                    self._check_remote_later(rec, served[1])
                 if self.world > 1:
                     dist.barrier()
                 if self.local_rank == 0:  # staging space is small: drop the downloaded copy
@@ -459,7 +548,7 @@ class CheckpointManager:
         neither auto-resume nor retention ever confuses them with this run's newer commits."""
         for name, size in self.storage.ls().items():
             n = parse_step(name)
-            if n is not None and n > step and size == -1:
+            if n is not None and n > step and size == DIR:
                 aside = f"{name}.superseded-{int(time.time())}"
                 log.warning(
                     "%s is newer than the resumed step %d: moving it to %s",

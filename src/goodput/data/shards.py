@@ -294,6 +294,7 @@ class ShardSource(CachedSource):
         self.__dict__.pop("dir", None)  # the cache dir is named by the (packed) root read from
         self.__dict__.pop("_real_dir", None)
         self.where = files.where
+        self._sizes = {sh["name"]: sh["bytes"] for sh in files.shards}  # a cached shard must match
         return files
 
     def order(self, files: ShardFileList, global_batch_size: int, seed: int, window_steps: int) -> ShardOrder:
@@ -334,9 +335,12 @@ class ShardSource(CachedSource):
                 fcntl.lockf(fd, fcntl.LOCK_EX)  # released by close, and by the kernel if we die
                 try:
                     with open(self.local_path(rel), "rb") as g:  # another process filled it meanwhile
-                        return g.read(), 0
+                        data = g.read()
+                    if self._fresh(rel, len(data)):
+                        return data, 0
                 except FileNotFoundError:
-                    return super()._fill(rel)
+                    pass
+                return super()._fill(rel)
             finally:
                 os.close(fd)
 
@@ -344,6 +348,9 @@ class ShardSource(CachedSource):
         fd = self._fds.pop(shard, None)
         if fd is None:
             fd = os.open(self.local_path(shard), os.O_RDONLY)  # FileNotFoundError: not cached
+            if not self._fresh(shard, os.fstat(fd).st_size):  # not the shard the index records
+                os.close(fd)
+                raise FileNotFoundError(shard)
             if len(self._fds) >= self.OPEN_SHARDS:
                 os.close(self._fds.pop(next(iter(self._fds))))
         self._fds[shard] = fd  # most recently used last

@@ -117,6 +117,36 @@ class CachedSource(RemoteSource):
         self._last_scan = 0.0
         self._approx_bytes = None
         self._fill_fd, self._fill_pid, self._stripes = None, None, []
+        self._sizes: dict[str, int] = {}  # rel -> size in the remote listing: a cached copy must match
+        self._stale: set[str] = set()
+
+    def open(self, split: str, dataset: dict | None = None):
+        files = super().open(split, dataset)
+        self._sizes = dict(zip(files.files, files.sizes))
+        return files
+
+    def _fresh(self, rel: str, size: int) -> bool:
+        """A cached copy of `size` bytes may be served: the remote listing has that size for `rel`.
+        (A copy fetched before the remote file was fixed or replaced is refetched; a change that
+        keeps the size is not seen: the cache checks sizes, not checksums.)"""
+        want = self._sizes.get(rel)
+        if want is None or want == size:
+            return True
+        if rel not in self._stale:  # once per file: the prefetch and the read both look
+            self._stale.add(rel)
+            log.warning(
+                "cached %s is %d bytes, the remote lists %d: fetching it again",
+                self.local_path(rel),
+                size,
+                want,
+            )
+        return False
+
+    def _is_cached(self, rel: str) -> bool:
+        try:
+            return self._fresh(rel, os.stat(self.local_path(rel)).st_size)
+        except FileNotFoundError:
+            return False
 
     @functools.cached_property
     def dir(self) -> str:
@@ -194,17 +224,21 @@ class CachedSource(RemoteSource):
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            os.utime(path)  # LRU clock for eviction
-            return data, True, 0
+            if self._fresh(rel, len(data)):
+                os.utime(path)  # LRU clock for eviction
+                return data, True, 0
         except FileNotFoundError:
             pass
         with self._filling(rel):  # a prefetch thread fetching it holds this: wait for its fill
             try:
                 with open(path, "rb") as f:
-                    return f.read(), False, 0
+                    data = f.read()
+                if self._fresh(rel, len(data)):
+                    return data, False, 0
             except FileNotFoundError:
-                data, size = self._fill(rel)
-                return data, False, size
+                pass
+            data, size = self._fill(rel)
+            return data, False, size
 
     @contextlib.contextmanager
     def _filling(self, rel: str):
@@ -249,10 +283,10 @@ class CachedSource(RemoteSource):
 
     def _prefetch_one(self, rel: str) -> None:
         try:
-            if os.path.exists(self.local_path(rel)):
+            if self._is_cached(rel):
                 return
             with self._filling(rel):
-                if os.path.exists(self.local_path(rel)):  # a worker (or another rank) filled it
+                if self._is_cached(rel):  # a worker (or another rank) filled it
                     return
                 _, size = self._fill(rel)
             with self._lock:

@@ -14,10 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 
 from goodput.storage import Storage
+from goodput.untrusted import RecordError, field, parse_record
+
+log = logging.getLogger(__name__)
+_ATTEMPT = re.compile(r"([0-9]{4,})\.json")
 
 CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval")
 
@@ -121,7 +126,9 @@ class Attempts:
     def begin(self, resumed_from: int | None, start: float | None = None) -> int:
         """Called once the attempt is ready to train; `start` is when its process started, and
         `startup` (seconds until now) stays in the record should it crash before committing."""
-        n = len([k for k in self.storage.ls("attempts") if k.endswith(".json")])
+        # Next after the highest number ever used (a record moved aside keeps its number taken).
+        used = [int(m.group(1)) for k in self.storage.ls("attempts") if (m := _ATTEMPT.match(k))]
+        n = max(used, default=-1) + 1
         self.path = f"attempts/{n:04d}.json"
         now = time.time()
         self.record = {
@@ -151,7 +158,7 @@ class Attempts:
         try:
             self.beat(step)
         except Exception as e:
-            logging.getLogger(__name__).debug("heartbeat failed: %s", e)
+            log.debug("heartbeat failed: %s", e)
 
     def lost_steps(self) -> int:
         """Steps done by crashed attempts after the checkpoint their successor resumed from."""
@@ -159,11 +166,48 @@ class Attempts:
         return sum(max(0, a["step"] - (b["resumed_from"] or 0)) for a, b in zip(recs, recs[1:]))
 
     def previous(self) -> list[dict]:
+        """The records of earlier attempts, each checked as untrusted input; a malformed one (a crash
+        mid-write on a store without atomic writes, a hand edit) is moved aside with a warning:
+        it drops out of the restart accounting instead of crashing every relaunch."""
         out = []
-        for k in sorted(self.storage.ls("attempts")):
-            if k.endswith(".json") and f"attempts/{k}" != self.path:
+        for k, size in sorted(self.storage.ls("attempts").items()):
+            m = _ATTEMPT.fullmatch(k)
+            if m is None or size < 0 or f"attempts/{k}" == self.path:
+                continue
+            try:
+                out.append(check_attempt(self.storage.read_bytes(f"attempts/{k}"), k, int(m.group(1))))
+            except FileNotFoundError:
+                pass
+            except RecordError as e:
+                aside = f"attempts/{k}.malformed-{int(time.time())}"
+                log.warning("%s; moving it to %s", e, self.storage.url(aside))
                 try:
-                    out.append(json.loads(self.storage.read_bytes(f"attempts/{k}")))
-                except (ValueError, FileNotFoundError):
-                    pass
+                    self.storage.mv(f"attempts/{k}", aside)
+                except Exception as mv_error:
+                    log.warning("could not move %s aside: %s", k, mv_error)
         return out
+
+
+def check_attempt(data: bytes, name: str, number: int) -> dict:
+    """One attempt record, every field the accounting reads checked (RecordError naming the file)."""
+    what = f"attempts/{name}"
+    rec = parse_record(data, what)
+    if field(rec, "attempt", int, what, minimum=0) != number:
+        raise RecordError(f"{what}: 'attempt' is {rec['attempt']}, the file name says {number}")
+    field(rec, "start", (int, float), what)
+    field(rec, "startup", (int, float), what, default=0.0, minimum=0)
+    field(rec, "step", int, what, minimum=0)
+    field(rec, "round", int, what, default=0, minimum=0)
+    if field(rec, "resumed_from", (int, type(None)), what) is not None:
+        field(rec, "resumed_from", int, what, minimum=0)
+    field(rec, "last_seen", (int, float), what, default=0.0)
+    recovery = field(rec, "recovery", dict, what, default=None)
+    if recovery is not None:  # read by goodput.resilience.recovery.summarize
+        where = f"{what} recovery"
+        for v in field(recovery, "seconds", dict, where, default={}).values():
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise RecordError(f"{where}: a phase of {v!r} seconds")
+        field(recovery, "total_seconds", (int, float), where, default=0.0)
+        field(recovery, "rounds", int, where, default=1, minimum=1)
+        field(recovery, "round", int, where, default=0, minimum=0)
+    return rec

@@ -17,6 +17,7 @@ import time
 import uuid
 
 from goodput.storage import Storage
+from goodput.untrusted import RecordError, field, parse_record
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def check_lock(data: bytes, what: str) -> dict:
+    """A lock record with the fields the lock reads, of the right types (RecordError naming the file)."""
+    rec = parse_record(data, what)
+    field(rec, "host", str, what)
+    if not 1 <= field(rec, "pid", int, what) < 1 << 31:  # os.kill overflows on larger ones
+        raise RecordError(f"{what}: pid {rec['pid']} is not a process id")
+    field(rec, "token", str, what)
+    field(rec, "started", (int, float), what)
+    field(rec, "heartbeat", (int, float), what, default=rec["started"])
+    return rec
+
+
 class RunLock:
     NAME = "LOCK.json"
 
@@ -50,13 +63,28 @@ class RunLock:
         self._stop = threading.Event()
         self._thread = None
 
-    def _holder(self) -> dict | None:
+    def _holder(self, set_aside: bool = False) -> dict | None:
+        """The lock record, checked as untrusted input, or None when there is none. A malformed one
+        (a hand edit, a torn write) is no one's lock: with `set_aside` it is moved aside with a
+        warning (kept for a look), else treated as absent."""
         try:
-            return json.loads(self.storage.read_bytes(self.NAME))
-        except (FileNotFoundError, ValueError):
+            data = self.storage.read_bytes(self.NAME)
+        except FileNotFoundError:
+            return None
+        try:
+            return check_lock(data, self.storage.url(self.NAME))
+        except RecordError as e:
+            if set_aside:
+                aside = f"{self.NAME}.malformed-{int(time.time())}"
+                log.warning("%s: not a lock, moving it to %s", e, self.storage.url(aside))
+                self.storage.mv(self.NAME, aside)
             return None
 
     def _stale(self, h: dict) -> str | None:
+        if h["host"] == socket.gethostname() and h["pid"] == os.getpid():
+            # Not this lock (its token differs), yet this process's PID: a container restarted with
+            # the same PID, or a record copied over. The holder is gone either way.
+            return f"it names this process (pid {h['pid']}) with another token"
         if h["host"] == socket.gethostname() and not _pid_alive(h["pid"]):
             return f"process {h['pid']} is gone"
         age = time.time() - h.get("heartbeat", h["started"])
@@ -65,7 +93,7 @@ class RunLock:
         return None
 
     def acquire(self) -> None:
-        h = self._holder()
+        h = self._holder(set_aside=True)
         if h is not None and h.get("token") != self.token:
             why = self._stale(h)
             if why is None:

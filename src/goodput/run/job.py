@@ -87,17 +87,26 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
             if name != RunLock.NAME:
                 store.rm(name, recursive=True)
         committed = []
-    if resume == "auto" and committed and committed[0]["step"] >= c["trainer"]["max_steps"]:
+    # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
+    # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
+    newest = mgr.newest_verified(committed) if resume == "auto" and committed else None
+    if newest is not None and newest["step"] >= c["trainer"]["max_steps"]:
         raise AlreadyDone(
-            f"run '{c['run']['name']}' already reached step {committed[0]['step']} "
+            f"run '{c['run']['name']}' already reached step {newest['step']} "
             f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
-            f"Checkpoint: {store.url(committed[0]['dir'])}"
+            f"Checkpoint: {store.url(newest['dir'])}"
         )
-    previous_run_id = committed[0].get("mlflow_run_id") if committed and resume == "auto" else None
+    previous_run_id = _run_to_continue(c, newest, store)
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
     params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})
     params.update({f"choice.{k}": str(v) for k, v in choices.items()})
     c["config_hash"] = config_hash(params)
+    if newest is not None and newest.get("config_hash") not in (None, c["config_hash"]):
+        log.warning(
+            "%s was written under another config (hash %s, this launch %s): continuing it as run '%s'; "
+            "the changed keys are in the MLflow params", store.url(newest["dir"]), newest.get("config_hash"),
+            c["config_hash"], c["run"]["name"],
+        )  # fmt: skip
     c["mlflow_run_id"] = None
     if not leader:
         return
@@ -110,6 +119,23 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
         c["mlflow"]["artifact_location"],
         tags=source_tags(sys.argv[0]),
     )
+
+
+def _run_to_continue(c: dict, rec: dict | None, store) -> str | None:
+    """The MLflow run id of the verified commit `rec`, when it belongs to this run. A commit written
+    under another run.name (copied in, or a store shared by mistake) is fenced: its MLflow run is not
+    continued, a new one starts, with a warning naming both."""
+    if rec is None:
+        return None
+    name = c["run"]["name"]
+    if rec.get("run") is not None and rec.get("run") != name:
+        log.warning(
+            "%s was written by run '%s', not '%s': not continuing its MLflow run %s (a new one starts)",
+            store.url(rec["dir"]), rec.get("run"), name, rec.get("mlflow_run_id"),
+        )  # fmt: skip
+        return None
+    run_id = rec.get("mlflow_run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def ensure_data(c: dict) -> None:
