@@ -147,8 +147,8 @@ def _fill_template_from_metadata(template: dict, md) -> dict:
                 raise CheckpointLoadError(f"checkpoint has no entry {k}")
             if not isinstance(meta, TensorStorageMetadata):
                 raise CheckpointLoadError(f"checkpoint entry {k} is not a tensor: refusing to unpickle it")
-        if group in ("model", "optim"):
-            out[group] = val  # live tensors, loaded in place
+        if group != "extra" and not group.startswith("rank"):
+            out[group] = val  # live tensors (model, optim, registered modules), loaded in place
             continue
         for k in val:
             meta = md.state_dict_metadata[f"{group}.{k}"]

@@ -1,0 +1,237 @@
+"""The training step (goodput.step), in-process: accumulation, clipping, fp16 loss scaling and its
+skipped steps, EMA, and the step's state through every checkpoint backend. The kill drills through
+the entry point are in test_step_drills.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+from test_checkpoint import manager
+
+from goodput.checkpoint import BACKENDS, AppState
+from goodput.checkpoint.state import decode, encode
+from goodput.model import SmallCNN
+from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
+from goodput.step import Step, StepOptions, make_ema
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    for k in LAUNCHER_ENV:
+        os.environ.pop(k, None)
+    d = init_distributed()
+    yield d
+    shutdown_distributed()
+
+
+class Recording(Single):
+    """The single-process strategy, counting the micro-steps run without gradient sync."""
+
+    def __init__(self):
+        self.no_sync_calls = 0
+
+    def no_sync(self, model):
+        self.no_sync_calls += 1
+        return super().no_sync(model)
+
+
+def make_step(opts: StepOptions, seed: int = 0, batch: int = 16, strategy=None, lr: float = 0.1):
+    torch.manual_seed(seed)
+    model = SmallCNN(num_classes=4, width=8)
+    if opts.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ema = make_ema(model, opts.ema_decay) if opts.ema_decay is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return Step(model, opt, sched, strategy or Single(), opts, CPU, batch, ema=ema)
+
+
+def batches(n: int, batch: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 4, (batch,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def params(step: Step) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in step.model.parameters()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def rel_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((x - y).abs().max() / y.abs().max().clamp(min=1e-12)).item() for x, y in zip(a, b))
+
+
+def test_accumulation_trains_the_whole_batch_step():
+    """4 micro-batches of 4 (gradients accumulated, synced once) == one batch of 16, to float
+    rounding: the loss is each micro-batch's share of the batch mean."""
+    whole, accum = make_step(StepOptions()), make_step(StepOptions(micro_batch_size=4), strategy=Recording())
+    assert accum.n_micro == 4
+    for i, (x, y) in enumerate(batches(3)):
+        lw, la = whole(x, y, i), accum(x, y, i)
+        assert torch.allclose(lw, la, rtol=1e-6, atol=0)
+    gap = rel_gap(params(accum), params(whole))
+    assert gap < 1e-5, gap
+    assert not same(params(accum), params(make_step(StepOptions())))  # it trained at all
+    assert accum.strategy.no_sync_calls == 3 * 3  # all micro-steps but the last, every step
+    with pytest.raises(
+        ValueError, match=re.escape("trainer.micro_batch_size=5 must divide the per-rank batch 16")
+    ):
+        make_step(StepOptions(micro_batch_size=5))
+
+
+def test_clipping_scales_to_the_total_norm():
+    s = make_step(StepOptions(clip_grad_norm=0.05), lr=1.0)
+    ref = make_step(StepOptions(), lr=1.0)
+    x, y = batches(1)[0]
+    s(x, y, 0)
+    # the same step by hand: the unclipped gradients, their total norm, the clipped SGD update
+    ref.optimizer.zero_grad()
+    ref.criterion(ref.model(x), y).backward()
+    grads = [p.grad for p in ref.model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    assert norm > 0.05  # so clipping acts
+    assert torch.allclose(s.last_grad_norm, norm, rtol=1e-6)
+    assert s.metrics()["train/grad_norm"] == pytest.approx(norm.item(), rel=1e-6)
+    coef = 0.05 / (norm + 1e-6)
+    for p, q, g in zip(s.model.parameters(), params(make_step(StepOptions())), grads):
+        assert torch.allclose(p.detach(), q - g * coef, rtol=1e-5, atol=1e-7)
+
+
+def test_fp16_overflow_skips_the_step_and_the_scaler_state_resumes():
+    """A scale so large that the fp16 backward overflows: the scaler skips the optimizer step and
+    halves the scale. Stopped after that step and resumed from the step's state dict, the run goes
+    on exactly as the uninterrupted one; without the scaler's state it does not."""
+    opts = StepOptions(precision="16-mixed", micro_batch_size=8, clip_grad_norm=1.0)
+    data = batches(6)
+
+    def fresh():  # at 2**20 this model's fp16 backward overflows; at 2**19 not always
+        s = make_step(opts)
+        s.scaler.load_state_dict({**s.scaler.state_dict(), "scale": 2.0**20})
+        return s
+
+    a = fresh()
+    before = params(a)
+    a(*data[0], 0)
+    assert same(params(a), before) and a.skipped_steps == 1  # skipped: the weights did not move
+    assert a.scaler.get_scale() == 2.0**19
+    for i, (x, y) in enumerate(data[1:], 1):
+        a(x, y, i)
+    assert a.skipped_steps > 1 and not same(params(a), before)
+
+    b = fresh()
+    b(*data[0], 0)
+    b(*data[1], 1)
+    saved = (
+        copy.deepcopy(b.model.state_dict()),
+        copy.deepcopy(b.optimizer.state_dict()),
+        encode(b.state_dict()),
+    )
+    for keep_scaler in (True, False):
+        c = make_step(opts, seed=5)
+        c.model.load_state_dict(saved[0])
+        c.optimizer.load_state_dict(saved[1])
+        if keep_scaler:
+            c.load_state_dict(decode(saved[2]))
+        for i, (x, y) in enumerate(data[2:], 2):
+            c(x, y, i)
+        assert same(params(c), params(a)) == keep_scaler
+        assert (c.skipped_steps == a.skipped_steps) == keep_scaler
+
+
+def test_ema_follows_the_weights_from_its_start_step():
+    decay, every, start = 0.8, 2, 3
+    s = make_step(StepOptions(ema_decay=decay, ema_every_n_steps=every, ema_start_step=start))
+    expected = None
+    for i, (x, y) in enumerate(batches(8)):
+        s(x, y, i)
+        done = i + 1
+        if done > start and done % every == 0:  # steps 4, 6, 8
+            w = params(s)
+            expected = w if expected is None else [decay * e + (1 - decay) * p for e, p in zip(expected, w)]
+    assert s.ema.n_averaged.item() == 3
+    got = [p.detach() for p in s.ema.module.parameters()]
+    assert rel_gap(got, expected) < 1e-6
+    assert rel_gap(got, params(s)) > 1e-3  # an average, not a copy of the last weights
+    assert s.eval_module("ema") is s.ema.module and s.eval_module("model") is s.model
+    with pytest.raises(ValueError, match="trainer.eval_on=ema needs trainer.ema_decay"):
+        make_step(StepOptions()).eval_module("ema")
+
+
+def test_channels_last_and_bf16_train():
+    s = make_step(StepOptions(precision="bf16-mixed", channels_last=True))
+    before = params(s)
+    loss = s(*batches(1)[0], 0)
+    assert torch.isfinite(loss) and not same(params(s), before)
+    assert s.model.blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_scaler_and_ema_state_round_trip_through_each_backend(tmp_path, dist1, backend):
+    """fp16 GradScaler state (scale, growth tracker, skipped steps) and the EMA tensors come back
+    exactly from torch_save, dcp_sync and dcp_async."""
+    opts = StepOptions(precision="16-mixed", ema_decay=0.9, micro_batch_size=8)
+
+    def app_of(step):
+        app = AppState(step.model, step.optimizer, rank=0)
+        app.register("step", step)
+        app.register_module("ema", step.ema)
+        return app
+
+    s = make_step(opts)
+    s.scaler.load_state_dict({**s.scaler.state_dict(), "scale": 2.0**20})  # skipped steps, then good ones
+    for i, (x, y) in enumerate(batches(4)):
+        s(x, y, i)
+    want = s.state_dict()
+    assert want["skipped_steps"] >= 1 and want["scaler"]["_growth_tracker"] >= 1
+    mgr = manager(tmp_path, backend, dist1)
+    mgr.save(4, app_of(s))
+    mgr.wait()
+
+    r = make_step(opts, seed=7)  # other weights, a fresh scaler
+    assert r.state_dict() != want
+    got, skipped = mgr.restore(app_of(r), mgr.committed())
+    assert got["step"] == 4 and skipped == []
+    assert r.state_dict() == want
+    assert r.ema.n_averaged.item() == s.ema.n_averaged.item() == 4
+    for p, q in zip(r.ema.module.parameters(), s.ema.module.parameters()):
+        assert torch.equal(p, q)
+    mgr.close()
+
+
+def test_bad_step_config_fails_at_validation_naming_the_key():
+    from omegaconf import OmegaConf
+    from test_config import _compose
+
+    from goodput.config import ConfigError, validate
+
+    c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)  # batch 16
+    for change, message in [
+        ({"trainer": {"precision": "fp8"}}, "trainer.precision must be 32|bf16-mixed|16-mixed"),
+        ({"trainer": {"micro_batch_size": 0}}, "trainer.micro_batch_size must be > 0 or null"),
+        ({"trainer": {"micro_batch_size": 3}}, "micro_batch_size=3 must divide the per-rank batch 16"),
+        ({"trainer": {"micro_batch_size": 8}, "parallel": {"strategy": "ddp", "nproc_per_node": 2}}, None),
+        ({"trainer": {"micro_batch_size": 16}, "parallel": {"strategy": "ddp", "nproc_per_node": 2}},
+         "trainer.micro_batch_size=16 must divide the per-rank batch 8"),
+        ({"trainer": {"clip_grad_norm": -1.0}}, "trainer.clip_grad_norm must be > 0 or null"),
+        ({"trainer": {"ema_decay": 1.0}}, "trainer.ema_decay must be in (0, 1) or null"),
+        ({"trainer": {"eval_on": "ema"}}, "trainer.eval_on=ema needs trainer.ema_decay"),
+        ({"trainer": {"channels_last": True}, "parallel": {"strategy": "fsdp", "nproc_per_node": 2}},
+         "trainer.channels_last=true with parallel=fsdp"),
+    ]:  # fmt: skip
+        bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
+        if message is None:
+            validate(bad)
+            continue
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(bad)
