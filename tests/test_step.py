@@ -235,3 +235,66 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
             continue
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(bad)
+
+
+def _fsdp_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: an FSDP2-sharded model and EMA, one accumulated, clipped step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from goodput.parallel import FSDP, Dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    d = Dist(rank, 2, rank, CPU, None)
+    torch.manual_seed(0)
+    model = SmallCNN(num_classes=4, width=8)
+    ema = make_ema(model, 0.5)
+    ema.module = FSDP().replica(ema.module, d)
+    model = FSDP().wrap(model, d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    step = Step(
+        model, opt, sched, FSDP(), StepOptions(micro_batch_size=4, clip_grad_norm=1e-3), CPU, 8, ema=ema
+    )
+    for i, (x, y) in enumerate(batches(2)):  # the global batch of 16; this rank's half
+        step(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8], i)
+        if i == 0:
+            shard_norm = torch.linalg.vector_norm(
+                torch.cat([p.grad.to_local().flatten() for p in model.parameters()])
+            )
+            norm = step.last_grad_norm
+    full = get_model_state_dict(ema, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    dcp.save({"ema": get_model_state_dict(ema)}, checkpoint_id=out)  # sharded, as the DCP backends save it
+    if rank == 0:
+        torch.save({"norm": norm, "shard_norm": shard_norm, "ema": full}, os.path.join(out, "rank0.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_clips_by_the_unsharded_norm_and_its_ema_reshards(tmp_path):
+    """2 FSDP2 ranks: the norm clipped to is the norm of the whole (unsharded) gradient of the
+    global batch, not of a rank's shard; the sharded EMA, read back on one process, is the EMA."""
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    from goodput.parallel import free_port
+
+    mp.spawn(_fsdp_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+
+    ref = make_step(StepOptions(clip_grad_norm=1e-3), lr=0.1)
+    x, y = batches(2)[0]
+    ref.optimizer = torch.optim.SGD(ref.model.parameters(), lr=0.1)  # the same optimizer as the ranks
+    ref.criterion(ref.model(x), y).backward()
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref.model.parameters()]))
+    assert torch.allclose(got["norm"], norm, rtol=1e-5), (got["norm"], norm)
+    assert not torch.allclose(got["shard_norm"], norm, rtol=1e-2)  # one shard's norm is another number
+
+    ema = make_ema(SmallCNN(num_classes=4, width=8), 0.5)
+    sd = {"ema": {k: torch.zeros_like(v) for k, v in ema.state_dict().items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path), no_dist=True)
+    assert sd["ema"].keys() == got["ema"].keys() and got["ema"]["n_averaged"].item() == 2
+    for k, v in got["ema"].items():
+        assert torch.equal(sd["ema"][k], v), k
