@@ -298,3 +298,26 @@ def test_fsdp_clips_by_the_unsharded_norm_and_its_ema_reshards(tmp_path):
     assert sd["ema"].keys() == got["ema"].keys() and got["ema"]["n_averaged"].item() == 2
     for k, v in got["ema"].items():
         assert torch.equal(sd["ema"][k], v), k
+
+
+@pytest.mark.parametrize("backend", ["torch_save", "dcp_sync"])
+def test_ema_switched_on_at_a_relaunch_starts_from_the_restored_weights(tmp_path, dist1, backend, caplog):
+    plain = make_step(StepOptions())
+    plain(*batches(1)[0], 0)
+    app = AppState(plain.model, plain.optimizer, rank=0)
+    app.register("step", plain)
+    mgr = manager(tmp_path, backend, dist1)
+    mgr.save(1, app)
+    mgr.wait()
+
+    s = make_step(StepOptions(ema_decay=0.9), seed=3)
+    app = AppState(s.model, s.optimizer, rank=0)
+    app.register("step", s)
+    app.register_module("ema", s.ema)
+    got, skipped = mgr.restore(app, mgr.committed())
+    assert got["step"] == 1 and skipped == []
+    assert "the checkpoint has no 'ema'" in caplog.text
+    assert same(params(s), params(plain)) and s.ema.n_averaged.item() == 0
+    s(*batches(2)[1], 1)  # the first update copies the weights
+    assert same([p.detach() for p in s.ema.module.parameters()], params(s))
+    mgr.close()

@@ -197,7 +197,10 @@ class AppState:
             options=options,
         )
         for k, m in self.modules.items():
-            set_model_state_dict(m, sd[k], options=options)
+            if k in sd:
+                set_model_state_dict(m, sd[k], options=options)
+            else:  # the EMA's first update then copies the restored weights, as at a fresh start
+                log.warning("the checkpoint has no %r: it starts from this run's initial state", k)
         for k, p in self.parts.items():
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")
