@@ -83,13 +83,12 @@ class Step:
         self.n_micro = accumulation_steps(per_rank_batch, opts.micro_batch_size)
         self.autocast_dtype = PRECISIONS[str(opts.precision)]
         # fp16's narrow range needs loss scaling; bf16 has fp32's exponent range and does not.
-        self.scaler = strategy.grad_scaler(device, enabled=opts.precision == "16-mixed")
+        self.scaler = strategy.grad_scaler(device, enabled=str(opts.precision) == "16-mixed")
         self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
         # forward mutates buffers (BatchNorm stats): an async save's copy must be done before it
         self.has_buffers = any(True for _ in model.buffers())
         self.before_update, self.between_micro_steps = before_update, between_micro_steps
         self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
-        self.last_loss = torch.zeros(())
         self.last_grad_norm: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
@@ -101,16 +100,16 @@ class Step:
             self.before_update()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        xs, ys = x.chunk(self.n_micro), y.chunk(self.n_micro)
+        xs, ys = x.chunk(self.n_micro), y.chunk(self.n_micro)  # fewer if the batch is short
         for i, (xm, ym) in enumerate(zip(xs, ys)):
-            last = i == self.n_micro - 1
+            last = i == len(xs) - 1
             # DDP all-reduces / FSDP reduce-scatters gradients only on the last micro-step
             sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
             with sync:
                 with self.autocast():
                     out = self.forward(xm)
                 loss = self.criterion(out.float(), ym)  # the loss in fp32 whatever the compute dtype
-                if self.n_micro > 1:  # each micro-batch's share of the batch mean
+                if len(xs) > 1:  # each micro-batch's share of the batch mean
                     loss = loss * (len(ym) / len(y))
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -121,6 +120,7 @@ class Step:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.last_grad_norm = clip_grad_norm(self.model.parameters(), self.opts.clip_grad_norm)
         self.before_update()  # an async save's copy must finish before parameters change
+        # (get_scale reads the scale tensor: one device sync per step, with fp16 only)
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)  # fp16: skipped when a gradient is inf/nan
         self.scaler.update()
@@ -131,7 +131,6 @@ class Step:
         o = self.opts
         if self.ema is not None and done > o.ema_start_step and done % o.ema_every_n_steps == 0:
             self.ema.update_parameters(self.model)
-        self.last_loss = loss_sum
         return loss_sum
 
     def autocast(self):
