@@ -158,12 +158,26 @@ def validate(c: dict) -> None:
             )
     if par["strategy"] == "fsdp" and world <= 1:
         errors.append("parallel=fsdp needs more than one process (set parallel.nproc_per_node >= 2)")
+    if par["strategy"] == "fsdp" and tr.get("channels_last"):
+        errors.append(
+            "trainer.channels_last=true with parallel=fsdp: FSDP2 shards only contiguous parameters "
+            "(torch 2.14); use parallel=ddp or single for channels_last"
+        )
     if par["strategy"] == "single" and world != 1:
         errors.append(
             f"parallel=single runs one process, but the world size is {world}: use parallel=ddp or fsdp"
         )
     if isinstance(gbs, int) and gbs > 0 and world >= 1 and gbs % world:
         errors.append(f"trainer.global_batch_size={gbs} is not divisible by the world size {world}")
+    else:
+        micro = tr.get("micro_batch_size")
+        per_rank = gbs // world if isinstance(gbs, int) and world >= 1 else None
+        if isinstance(micro, int) and micro > 0 and per_rank and (micro > per_rank or per_rank % micro):
+            errors.append(
+                f"trainer.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
+                f"(trainer.global_batch_size={gbs} / world size {world}): gradient accumulation "
+                f"runs per_rank / micro_batch_size whole micro-batches per step"
+            )
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

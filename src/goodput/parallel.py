@@ -6,6 +6,7 @@ store), so checkpointing and metrics use one code path for every world size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -95,28 +96,72 @@ def shutdown_distributed() -> None:
 
 
 class Single:
-    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+    """One process: nothing to wrap or synchronise."""
+
+    def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
+        """The module the optimizer trains. `param_dtype`: the compute dtype of mixed precision
+        (autocast does the casting here; FSDP casts its parameters itself)."""
         return model
 
+    def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
+        """A copy that is never trained (the EMA weights), laid out like the model's parameters."""
+        return module
 
-class DDP:
-    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+    def no_sync(self, model: nn.Module):
+        """Accumulate gradients locally (all micro-steps but the last)."""
+        return contextlib.nullcontext()
+
+    def grad_scaler(self, device: torch.device, enabled: bool):
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+class DDP(Single):
+    """A full replica per process; gradients all-reduced in the backward of the last micro-step."""
+
+    def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
         ids = [d.local_rank] if d.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
 
-class FSDP:
-    """FSDP2: fully_shard each block, then the root."""
 
-    def wrap(self, model: nn.Module, d: Dist) -> nn.Module:
+class FSDP(Single):
+    """FSDP2: fully_shard each block, then the root. Mixed precision is FSDP's: parameters are
+    all-gathered in `param_dtype`, gradients reduced in fp32 (a low-precision sum over ranks loses bits)."""
+
+    def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(d.device.type, (d.world,))
+        reduce = torch.float32 if param_dtype is not None else None
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
         for unit in shard_units(model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
+
+    def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
+        return self._shard(model, d, param_dtype)
+
+    def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
+        return self._shard(module, d, param_dtype)  # sharded like the model: saved, resharded alike
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        model.set_requires_gradient_sync(False)  # no reduce-scatter: unsharded gradients accumulate
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def grad_scaler(self, device: torch.device, enabled: bool):
+        # Each rank sees only its gradient shard: an inf found on one rank must skip the step on all
+        # (ShardedGradScaler all-reduces found_inf; the plain scaler would let the ranks diverge).
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, enabled=enabled)
 
 
 STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}

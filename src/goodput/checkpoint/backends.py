@@ -135,11 +135,20 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointLoadError(f"reading {files} in {self.path}: {e}") from e
 
 
+def optional_group(group: str) -> bool:
+    """A module registered beside the model (AppState.register_module): a checkpoint written
+    before it was switched on lacks it, and resumes without it."""
+    return group not in ("model", "optim", "extra") and not group.startswith("rank")
+
+
 def _fill_template_from_metadata(template: dict, md) -> dict:
     """Every entry we load must be a plain tensor in the metadata; extras (JSON in uint8 tensors)
     have checkpoint-defined sizes, so allocate them from it."""
     out = {}
+    saved_groups = {k.split(".", 1)[0] for k in md.state_dict_metadata}
     for group, val in template.items():
+        if optional_group(group) and group not in saved_groups:
+            continue  # a module this run added (EMA switched on): AppState.apply says so
         out[group] = {}
         for k, _ in _flat(val, group):
             meta = md.state_dict_metadata.get(k)
@@ -147,8 +156,8 @@ def _fill_template_from_metadata(template: dict, md) -> dict:
                 raise CheckpointLoadError(f"checkpoint has no entry {k}")
             if not isinstance(meta, TensorStorageMetadata):
                 raise CheckpointLoadError(f"checkpoint entry {k} is not a tensor: refusing to unpickle it")
-        if group in ("model", "optim"):
-            out[group] = val  # live tensors, loaded in place
+        if group != "extra" and not group.startswith("rank"):
+            out[group] = val  # live tensors (model, optim, registered modules), loaded in place
             continue
         for k in val:
             meta = md.state_dict_metadata[f"{group}.{k}"]
@@ -198,10 +207,10 @@ class TorchSave:
             full = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
             raise CheckpointLoadError(f"{path}: {e}") from e
-        missing = [g for g in template if g not in full]
+        missing = [g for g in template if g not in full and not optional_group(g)]
         if missing:
             raise CheckpointLoadError(f"state.pt lacks {missing}")
-        return {g: full[g] for g in template}
+        return {g: full[g] for g in template if g in full}
 
     def load(self, sd: dict, local_dir: str) -> None:
         pass  # prepare_load already read everything

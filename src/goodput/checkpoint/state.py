@@ -2,6 +2,8 @@
 
 Layout (FQNs after DCP flattening):
     model.*            model weights (sharded under FSDP for DCP; full for torch_save)
+    <module>.*         other modules' tensors registered with `register_module` (the EMA weights:
+                       `ema.module.*`, `ema.n_averaged`), sharded and loaded in place like the model
     optim.state.*      optimizer state tensors, FQN-keyed (resharding-safe)
     extra.param_groups the optimizer's param_groups (lr, betas, FQNs, ...): JSON in a uint8 tensor
     extra.<name>       global Stateful parts (data position, scheduler, ledger, ...): JSON in a uint8 tensor
@@ -26,7 +28,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -136,11 +140,22 @@ class AppState:
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self.parts: dict[str, Stateful] = {}  # global: identical on every rank
         self.rank_parts: dict[str, Stateful] = {}  # per rank
+        self.modules: dict[str, torch.nn.Module] = {}  # tensor groups beside the model (EMA)
 
     def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
         if name == PARAM_GROUPS:
             raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
+
+    def register_module(self, name: str, module: torch.nn.Module) -> None:
+        """A module whose tensors are saved as group `name`, like the model's (sharded under FSDP,
+        gathered for torch_save) and loaded into it in place, so they reshard with the model."""
+        if name in ("model", "optim", "extra") or name.startswith("rank"):
+            raise ValueError(f"{name!r} is a reserved checkpoint group")
+        self.modules[name] = module
+
+    def _module_sds(self, options: StateDictOptions) -> dict:
+        return {k: get_model_state_dict(m, options=options) for k, m in self.modules.items()}
 
     def state_dict(self, options: StateDictOptions) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
@@ -148,6 +163,7 @@ class AppState:
         sd = {
             "model": msd,
             "optim": {"state": osd.get("state", {})},
+            **self._module_sds(options),
             "extra": {
                 PARAM_GROUPS: encode(osd.get(PARAM_GROUPS, [])),
                 **{k: encode(p.state_dict()) for k, p in self.parts.items()},
@@ -163,6 +179,7 @@ class AppState:
         sd = {
             "model": msd,
             "optim": {"state": osd.get("state", {})},
+            **self._module_sds(options),
             "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
         }
         if self.rank < saved_world:
@@ -179,6 +196,11 @@ class AppState:
             optim_state_dict={"state": sd["optim"]["state"], PARAM_GROUPS: groups},
             options=options,
         )
+        for k, m in self.modules.items():
+            if k in sd:
+                set_model_state_dict(m, sd[k], options=options)
+            else:  # the EMA's first update then copies the restored weights, as at a fresh start
+                log.warning("the checkpoint has no %r: it starts from this run's initial state", k)
         for k, p in self.parts.items():
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")

@@ -28,7 +28,7 @@ class FaultConfig:
     never be loaded."""
 
     rank: int = 0
-    """Which rank the two kills above hit."""
+    """Which rank the kills at a step or a save hit (kill_at_step, kill_during_save, kill_in_step)."""
 
     mtbf_seconds: float | None = None
     """Random SIGKILLs with this mean time between failures (seeded by `seed` and the attempt)."""
@@ -42,8 +42,14 @@ class FaultConfig:
     chaos_seed: int = 0
     """Seed of the chaos draws."""
 
+    kill_in_step: int | None = None
+    """SIGKILL inside this step, between its first and second micro-batch (first attempt only;
+    needs gradient accumulation, trainer.micro_batch_size): the half-accumulated step must be redone."""
+
     def __post_init__(self):
         e = []
+        if self.kill_in_step is not None and self.kill_in_step < 1:
+            e.append(f"fault.kill_in_step must be >= 1 or null, got {self.kill_in_step}")
         if self.mtbf_seconds is not None and self.mtbf_seconds < 0:
             e.append(f"fault.mtbf_seconds must be >= 0 or null (0 = off), got {self.mtbf_seconds}")
         if self.max_kills < 0:
@@ -56,10 +62,17 @@ class FaultConfig:
 
 class Faults:
     def __init__(
-        self, storage: Storage, rank: int, kill_at_step=None, kill_during_save=None, target_rank: int = 0
+        self,
+        storage: Storage,
+        rank: int,
+        kill_at_step=None,
+        kill_during_save=None,
+        target_rank: int = 0,
+        kill_in_step=None,
     ):
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
+        self.kill_in_step = kill_in_step
         self._random_kill_at, self._attempt = None, 0
         self._chaos, self._chaos_p = None, 0.0
 
@@ -94,6 +107,13 @@ class Faults:
         if self._random_kill_at is not None and time.monotonic() >= self._random_kill_at:
             self._random_kill_at = None
             self._fire(f"random-kill-attempt{self._attempt}")
+
+    def in_step(self, step: int) -> None:
+        """Between two micro-batches of the step after `step` (goodput.run.step): kill_in_step, and
+        the chaos site `micro_step`."""
+        if self.rank == self.target_rank and self.kill_in_step is not None and step + 1 == self.kill_in_step:
+            self._fire(f"kill_in_step-{step + 1}")
+        self.site("micro_step")
 
     def site(self, name: str) -> None:
         """Chaos drills: at each named point (step, save, staged, upload, commit, retention) die with

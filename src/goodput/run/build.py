@@ -22,10 +22,14 @@ from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery, agent_phases, restart_round
 from goodput.resilience.recovery import failure_time as recovery_failure_time
+from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
 from goodput.storage import Storage
 from goodput.tracking import Tracker
 
 log = logging.getLogger("goodput")
+
+STEP_KEYS = ("precision", "micro_batch_size", "clip_grad_norm", "ema_decay", "ema_every_n_steps",
+             "ema_start_step", "channels_last")  # fmt: skip  # the `trainer` keys goodput.run.step acts on
 
 
 def storage(c: dict, root: str) -> Storage:
@@ -78,8 +82,17 @@ class Trainer:
             )
         self.recovery.mark("data_listed")
 
+        opts = StepOptions(**{k: tr[k] for k in STEP_KEYS})
+        dtype = PRECISIONS[str(opts.precision)]
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
-        self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
+        if opts.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        strategy = STRATEGIES[c["parallel"]["strategy"]]()
+        ema = None
+        if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
+            ema = make_ema(model, opts.ema_decay)
+            ema.module = strategy.replica(ema.module, d, dtype)
+        self.model = strategy.wrap(model, d, dtype)
         self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
         self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
         self.ledger = Ledger()
@@ -92,11 +105,25 @@ class Trainer:
         self.ckpt = checkpoint_manager(c, d)
         self.ckpt_store = self.ckpt.storage
         f = c["fault"]
-        self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
+        self.faults = Faults(
+            self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
+        )
         self.ckpt.fault = self.faults
+        self.step = Step(
+            self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
+            before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
+        )  # fmt: skip
+        self.app.register("step", self.step)
+        if ema is not None:
+            self.app.register_module("ema", ema)
+        self.eval_on = tr["eval_on"]
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
+
+    def eval_module(self) -> torch.nn.Module:
+        """The module evaluation and export use (`trainer.eval_on`): the model or its EMA."""
+        return self.step.eval_module(self.eval_on)
 
     def attempts_beat(self, step: int) -> None:
         """The loop calls this after every step: the first one after a (re)start ends the recovery."""

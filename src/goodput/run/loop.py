@@ -108,6 +108,45 @@ class TrainerConfig:
     """After a preemption signal (TERM, INT, USR1, USR2), exit hard if the step boundary is not
     reached by then (a stuck peer). Longer than one step, or a slow step is cut short."""
 
+    # -- the training step (goodput.run.step); all off by default; docs/training-step.md -------------
+    precision: str = "32"
+    """`32` (fp32), `bf16-mixed` (autocast to bfloat16: about fp32's range, no scaler needed; on
+    CUDA from Ampere on) or `16-mixed` (autocast to float16 with a GradScaler, whose scale and
+    growth tracker are checkpointed; a step with an inf gradient is skipped, deterministically).
+    Under parallel=fsdp the parameters are all-gathered in that dtype, gradients reduced in fp32.
+    Mixed precision trades bits of every activation for speed and memory on accelerators; on CPU
+    it is usually slower (few CPU kernels are fast in 16 bits)."""
+
+    micro_batch_size: int | None = None
+    """Samples per forward/backward on one rank; null = the whole per-rank batch. The rank's share
+    of trainer.global_batch_size (global / world) is split into micro-batches whose gradients are
+    accumulated (synchronised across ranks only on the last one), so the global batch, the sample
+    order and the maths stay those of the un-split step at less activation memory. Must divide
+    global_batch_size / world size."""
+
+    clip_grad_norm: float | None = None
+    """Clip the gradients to this total L2 norm (over all parameters, all shards) before the
+    optimizer step; null = off. The norm before clipping is logged as train/grad_norm."""
+
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.999); null = off.
+    A second copy of the model (sharded like it under fsdp), checkpointed and resharded with it."""
+
+    ema_every_n_steps: int = 1
+    """Update the EMA every N optimizer steps (cheaper for large models; the effective decay per
+    step is then decay^(1/N))."""
+
+    ema_start_step: int = 0
+    """Start the EMA after this many steps (the first update copies the weights): early weights
+    from the warm-up are then not averaged in."""
+
+    eval_on: str = "model"
+    """Which weights evaluation (and export) uses: `model` (the trained weights) or `ema`."""
+
+    channels_last: bool = False
+    """NHWC memory layout for the model and its inputs: faster convolutions on GPUs with tensor
+    cores (and with bf16/fp16); no effect on the maths' result type, little on CPU."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
@@ -122,6 +161,24 @@ class TrainerConfig:
             e.append(f"trainer.num_threads must be > 0, got {self.num_threads}")
         if self.progress not in ("auto", True, False):
             e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
+        if str(self.precision) not in ("32", "bf16-mixed", "16-mixed"):
+            e.append(f"trainer.precision must be 32|bf16-mixed|16-mixed, got {self.precision!r}")
+        if self.micro_batch_size is not None and not (
+            isinstance(self.micro_batch_size, int) and self.micro_batch_size > 0
+        ):
+            e.append(f"trainer.micro_batch_size must be > 0 or null, got {self.micro_batch_size}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            e.append(f"trainer.clip_grad_norm must be > 0 or null, got {self.clip_grad_norm}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            e.append(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
+        if self.ema_every_n_steps < 1:
+            e.append(f"trainer.ema_every_n_steps must be >= 1, got {self.ema_every_n_steps}")
+        if self.ema_start_step < 0:
+            e.append(f"trainer.ema_start_step must be >= 0, got {self.ema_start_step}")
+        if self.eval_on not in ("model", "ema"):
+            e.append(f"trainer.eval_on must be model|ema, got {self.eval_on!r}")
+        elif self.eval_on == "ema" and self.ema_decay is None:
+            e.append("trainer.eval_on=ema needs trainer.ema_decay (no EMA is kept without it)")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -199,14 +256,12 @@ def train(t) -> dict:
     max_steps = cfg["trainer"]["max_steps"]
     log_every = max(1, cfg["trainer"]["log_every_n_steps"])
     eval_every = cfg["trainer"]["eval_every_n_steps"]
-    criterion = torch.nn.CrossEntropyLoss(ignore_index=-1)
     stop = StopSignal(cfg["trainer"]["signal_grace_seconds"])
     show = cfg["trainer"]["progress"]
     show = sys.stderr.isatty() if show == "auto" else bool(show)
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
-    has_buffers = any(True for _ in t.model.buffers())
     loss_val, val_acc = float("nan"), None
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
@@ -216,15 +271,7 @@ def train(t) -> dict:
         t1 = time.perf_counter()
         x = batch["image"].to(d.device, non_blocking=True)
         y = batch["label"].to(d.device, non_blocking=True)
-        if has_buffers:  # forward mutates buffers (BatchNorm stats): an async save's copy must be done
-            t.ckpt.wait_for_staging()
-
-        loss = criterion(t.model(x), y)
-        t.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        t.ckpt.wait_for_staging()  # an async save's copy must finish before parameters change
-        t.optimizer.step()
-        t.scheduler.step()
+        loss = t.step(x, y, step)  # forward, backward, optimizer, EMA: goodput.run.step
         step += 1
         t2 = time.perf_counter()
 
@@ -241,7 +288,8 @@ def train(t) -> dict:
             loss_val = loss.item()
             n = window["n"]
             perf = reduce_perf(window["step"] / n, window["fetch"] / n, window["images"] // n, d.world)
-            t.tracker.log({"train/loss": loss_val, "train/lr": t.scheduler.get_last_lr()[0], **perf}, step)
+            metrics = {"train/loss": loss_val, "train/lr": t.scheduler.get_last_lr()[0], **t.step.metrics()}
+            t.tracker.log({**metrics, **perf}, step)
             t.tracker.log(t.loader.stats(), step)
             bar.set_postfix(
                 loss=f"{loss_val:.3f}",
@@ -255,7 +303,7 @@ def train(t) -> dict:
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
-            val_acc = evaluate(t.model, t.val_loader, d.device, d.world)
+            val_acc = evaluate(t.eval_module(), t.val_loader, d.device, d.world)
             t.ledger.add("eval", time.perf_counter() - te)
             t.tracker.log({"val/accuracy": val_acc}, step)
 

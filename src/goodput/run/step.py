@@ -1,0 +1,176 @@
+"""One optimizer step, top to bottom: forward under autocast, loss, backward with scaling over the
+micro-batches of the rank's batch, clipping, the optimizer, the LR schedule, the EMA of the weights.
+
+The loop calls `Step.__call__` once per optimizer step and checkpoints only between calls, so a
+checkpoint is always at an optimizer-step boundary: a run stopped between micro-steps resumes from
+the last whole step and re-reads the same micro-batches (the loader's position is per step).
+
+Nothing here asks which parallel backend runs: the strategy (goodput.parallel) supplies the
+gradient-sync switch for accumulation and the gradient scaler, which are what differ between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+# trainer.precision -> the autocast dtype (None: full fp32, no autocast)
+PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass
+class StepOptions:
+    """The `trainer` keys the step acts on (validated by goodput.run.loop.TrainerConfig)."""
+
+    precision: str = "32"
+    micro_batch_size: int | None = None
+    clip_grad_norm: float | None = None
+    ema_decay: float | None = None
+    ema_every_n_steps: int = 1
+    ema_start_step: int = 0
+    channels_last: bool = False
+
+
+def make_ema(model: nn.Module, decay: float) -> AveragedModel:
+    """An exponential moving average of `model`'s weights (and buffers), a deep copy of it: built
+    from the unwrapped model, before the strategy wraps it (the copy is then sharded like it)."""
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    ema.requires_grad_(False)
+    return ema
+
+
+def accumulation_steps(per_rank_batch: int, micro_batch_size: int | None) -> int:
+    """How many micro-batches make the rank's share of one global batch."""
+    if micro_batch_size is None:
+        return 1
+    if micro_batch_size > per_rank_batch or per_rank_batch % micro_batch_size:
+        raise ValueError(
+            f"trainer.micro_batch_size={micro_batch_size} must divide the per-rank batch "
+            f"{per_rank_batch} (trainer.global_batch_size / world size)"
+        )
+    return per_rank_batch // micro_batch_size
+
+
+class Step:
+    """The training step. `model` is the wrapped module whose parameters the optimizer holds;
+    `forward` is what the step calls for the forward pass (the same module, or a compiled wrapper
+    of it: state dicts are always taken from `model`, never from a wrapper).
+
+    Stateful: its own counters (JSON) go into the checkpoint beside the scaler's state; the EMA's
+    tensors are registered as a module group of their own (goodput.run.build)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        strategy,
+        opts: StepOptions,
+        device: torch.device,
+        per_rank_batch: int,
+        ema: AveragedModel | None = None,
+        before_update=lambda: None,
+        between_micro_steps=lambda step: None,
+    ):
+        self.model, self.forward = model, model
+        self.optimizer, self.scheduler, self.strategy = optimizer, scheduler, strategy
+        self.opts, self.device, self.ema = opts, device, ema
+        self.n_micro = accumulation_steps(per_rank_batch, opts.micro_batch_size)
+        self.autocast_dtype = PRECISIONS[str(opts.precision)]
+        # fp16's narrow range needs loss scaling; bf16 has fp32's exponent range and does not.
+        self.scaler = strategy.grad_scaler(device, enabled=str(opts.precision) == "16-mixed")
+        self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
+        # forward mutates buffers (BatchNorm stats): an async save's copy must be done before it
+        self.has_buffers = any(True for _ in model.buffers())
+        self.before_update, self.between_micro_steps = before_update, between_micro_steps
+        self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        """One optimizer step on the rank's batch (x, y); `step` is the number of steps done before
+        it. Returns the batch's mean loss (a tensor: reading it is a device sync)."""
+        if self.opts.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.has_buffers:
+            self.before_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        xs, ys = x.chunk(self.n_micro), y.chunk(self.n_micro)  # fewer if the batch is short
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            last = i == len(xs) - 1
+            # DDP all-reduces / FSDP reduce-scatters gradients only on the last micro-step
+            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
+            with sync:
+                with self.autocast():
+                    out = self.forward(xm)
+                loss = self.criterion(out.float(), ym)  # the loss in fp32 whatever the compute dtype
+                if len(xs) > 1:  # each micro-batch's share of the batch mean
+                    loss = loss * (len(ym) / len(y))
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+            if not last:
+                self.between_micro_steps(step)
+
+        if self.opts.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            self.last_grad_norm = clip_grad_norm(self.model.parameters(), self.opts.clip_grad_norm)
+        self.before_update()  # an async save's copy must finish before parameters change
+        # (get_scale reads the scale tensor: one device sync per step, with fp16 only)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)  # fp16: skipped when a gradient is inf/nan
+        self.scaler.update()
+        if scale is not None and self.scaler.get_scale() < scale:  # the scale backs off only on a skip
+            self.skipped_steps += 1
+        self.scheduler.step()
+        done = step + 1
+        o = self.opts
+        if self.ema is not None and done > o.ema_start_step and done % o.ema_every_n_steps == 0:
+            self.ema.update_parameters(self.model)
+        return loss_sum
+
+    def autocast(self):
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype, enabled=dtype is not None)
+
+    def metrics(self) -> dict:
+        """What the loop logs every log_every_n_steps (reading them syncs with the device)."""
+        m = {}
+        if self.last_grad_norm is not None:
+            m["train/grad_norm"] = self.last_grad_norm.item()
+        if self.scaler.is_enabled():
+            m["train/grad_scale"] = self.scaler.get_scale()
+            m["train/skipped_steps"] = self.skipped_steps
+        return m
+
+    def eval_module(self, eval_on: str) -> nn.Module:
+        """The weights evaluation and export use: the trained model, or its EMA."""
+        if eval_on == "ema":
+            if self.ema is None:
+                raise ValueError("trainer.eval_on=ema needs trainer.ema_decay")
+            return self.ema.module
+        return self.model
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["scaler"]:  # {} when the scaler is disabled
+            self.scaler.load_state_dict(sd["scaler"])
+        self.skipped_steps = sd["skipped_steps"]
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip to a total norm of `max_norm`; returns the norm before clipping. Under FSDP2 each
+    gradient is a DTensor shard: the norm is over all shards (a DTensor reduced across ranks), so
+    every rank scales by the same factor, the one the unsharded gradients would get."""
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
