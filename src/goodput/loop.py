@@ -17,6 +17,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from goodput.evaluate import default_top_k, evaluate
 from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,10 @@ class TrainerConfig:
     """After a preemption signal (TERM, INT, USR1, USR2), exit hard if the step boundary is not
     reached by then (a stuck peer). Longer than one step, or a slow step is cut short."""
 
+    eval_top_k: int | None = None
+    """Also log val/top<k> (the true class among the k highest logits); null = 5 when there are at
+    least 5 classes, else none."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
@@ -120,6 +125,8 @@ class TrainerConfig:
             e.append(f"trainer.log_every_n_steps must be > 0, got {self.log_every_n_steps}")
         if self.num_threads <= 0:
             e.append(f"trainer.num_threads must be > 0, got {self.num_threads}")
+        if self.eval_top_k is not None and not (isinstance(self.eval_top_k, int) and self.eval_top_k >= 1):
+            e.append(f"trainer.eval_top_k must be >= 1 or null, got {self.eval_top_k!r}")
         if self.progress not in ("auto", True, False):
             e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
         if e:
@@ -158,23 +165,6 @@ def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
     return f
 
 
-@torch.no_grad()
-def evaluate(model, loader, device, world: int) -> float:
-    model.eval()
-    correct = torch.zeros(2, dtype=torch.float64)
-    for batch in loader:
-        x, y = batch["image"].to(device, non_blocking=True), batch["label"].to(device)
-        pred = model(x).argmax(1)
-        mask = y >= 0
-        correct += torch.tensor(
-            [(pred[mask] == y[mask]).sum().item(), mask.sum().item()], dtype=torch.float64
-        )
-    if world > 1:
-        dist.all_reduce(correct)
-    model.train()
-    return (correct[0] / correct[1].clamp(min=1)).item()
-
-
 def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
     """Whole-job numbers: images/s over the slowest rank; fetch seconds max and mean across ranks."""
     t = torch.tensor([step_s, fetch_s, fetch_s, float(images)], dtype=torch.float64)
@@ -207,7 +197,8 @@ def train(t) -> dict:
 
     step = t.loader.step
     has_buffers = any(True for _ in t.model.buffers())
-    loss_val, val_acc = float("nan"), None
+    loss_val, val_acc, last_eval = float("nan"), None, None
+    top_k = default_top_k(cfg["trainer"]["eval_top_k"], t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
     while step < max_steps:
@@ -255,9 +246,10 @@ def train(t) -> dict:
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
-            val_acc = evaluate(t.model, t.val_loader, d.device, d.world)
+            last_eval = evaluate(t.model, t.val_loader, d.device, d.world, t.loader.num_classes, top_k)
             t.ledger.add("eval", time.perf_counter() - te)
-            t.tracker.log({"val/accuracy": val_acc}, step)
+            val_acc = last_eval.accuracy
+            t.tracker.log(last_eval.metrics(t.loader.files.classes), step)
 
         stopping = stop.agreed(d.world)
         blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping)
@@ -277,4 +269,5 @@ def train(t) -> dict:
     t.ledger.add("checkpoint", time.perf_counter() - tw)
     for m in t.ckpt.drain_metrics():
         t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
-    return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received}
+    return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received,
+            "evaluation": last_eval}  # fmt: skip

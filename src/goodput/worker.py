@@ -20,6 +20,7 @@ from goodput import loop
 from goodput.accounting import plot, process_start
 from goodput.build import Trainer
 from goodput.checkpoint.resume import resume
+from goodput.evaluate import write_report
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.recovery import Recovery, summarize
@@ -120,10 +121,12 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
 def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
     c, run_dir = t.cfg, t.cfg["run_dir"]
+    ev, classes = result.pop("evaluation", None), t.loader.files.classes
     t.attempts.beat(result["steps"])
     goodput = t.ledger.report(restarts, t.attempts.lost_steps())
     summary = {
         **result,
+        "val": ev.metrics(classes) if ev is not None else None,
         "sample_order_sha256": t.loader.chain.hexdigest,
         "restarts": restarts,
         "resumed_from_steps": t.ledger.resumed_from,
@@ -141,6 +144,9 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     t.tracker.artifact(os.path.join(run_dir, "summary.json"))
     plot(goodput, os.path.join(run_dir, "goodput.png"))
     t.tracker.artifact(os.path.join(run_dir, "goodput.png"))
+    if ev is not None:  # the last evaluation: per-class table and confusion matrix
+        for path in write_report(ev, classes, os.path.join(run_dir, "evaluation")):
+            t.tracker.artifact(path, "evaluation")
     hydra_dir = os.path.join(run_dir, ".hydra")
     if os.path.isdir(hydra_dir):
         t.tracker.artifacts(hydra_dir, "hydra")
