@@ -42,6 +42,9 @@ def status(store: Storage, name: str) -> dict:
         "world_size": rec.get("world_size"),
         "bytes": rec.get("bytes", row["bytes"]),
         "status": f"files missing/wrong size: {bad[:3]}" if bad else "committed",
+        "metric": rec.get("metric"),  # the monitored metric of this step's evaluation (keep_best_by)
+        "best": rec.get("best"),  # the best so far when this step was saved
+        "stop_reason": rec.get("stop_reason"),
         "record": rec,
     }
 
@@ -127,6 +130,9 @@ def main() -> None:
                 print(f"{name}: ok")
         sys.exit(1 if bad else 0)
     rows = [status(store, n) for n in names]
+    best = next((r["best"] for r in reversed(rows) if r["status"] == "committed" and r.get("best")), None)
+    for r in rows:
+        r["is_best"] = best is not None and r["step"] == best["step"]
     if a.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "record"} for r in rows], indent=1))
     else:
@@ -134,7 +140,14 @@ def main() -> None:
         for r in rows:
             mb = r["bytes"] / 1e6
             backend, world = r.get("backend") or "-", r.get("world_size") or "-"
-            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}")
+            notes = "".join(
+                [f"  {k}={v:.4g}" for k, v in (r.get("metric") or {}).items()]
+                + (["  BEST"] if r["is_best"] else [])
+                + ([f"  stopped: {r['stop_reason']}"] if r.get("stop_reason") else [])
+            )
+            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}{notes}")
+        if best is not None:  # named by the newest commit: the best so far of checkpoint.keep_best_by
+            print(f"best: step {best['step']} ({best['by']} = {best['value']:.6g}, {best['mode']})")
     if a.export:
         ok = [r for r in rows if r["status"] == "committed" and (a.step is None or r["step"] == a.step)]
         if not ok:

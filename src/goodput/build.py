@@ -19,6 +19,7 @@ from goodput.accounting import Attempts, Ledger
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.fault import Faults
+from goodput.monitor import EarlyStopping
 from goodput.parallel import STRATEGIES
 from goodput.recovery import Recovery, agent_phases, restart_round
 from goodput.recovery import failure_time as recovery_failure_time
@@ -91,6 +92,12 @@ class Trainer:
 
         self.ckpt = checkpoint_manager(c, d)
         self.ckpt_store = self.ckpt.storage
+        self.early_stopping = EarlyStopping(
+            tr["early_stopping_patience"], tr["early_stopping_by"], tr["early_stopping_min_delta"],
+            tr["early_stopping_mode"],
+        )  # fmt: skip
+        self.app.register("best", self.ckpt.best)  # the best so far and the early-stopping counter
+        self.app.register("early_stopping", self.early_stopping)  # resume with the run
         f = c["fault"]
         self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
         self.ckpt.fault = self.faults

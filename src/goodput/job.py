@@ -93,6 +93,11 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
             f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
             f"Checkpoint: {store.url(committed[0]['dir'])}"
         )
+    if resume == "auto" and committed and committed[0].get("stop_reason"):
+        raise AlreadyDone(
+            f"run '{c['run']['name']}' is complete: it stopped at step {committed[0]['step']} "
+            f"({committed[0]['stop_reason']}). Checkpoint: {store.url(committed[0]['dir'])}"
+        )
     previous_run_id = committed[0].get("mlflow_run_id") if committed and resume == "auto" else None
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
     params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})

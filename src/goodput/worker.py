@@ -19,6 +19,7 @@ import torch.distributed as dist
 from goodput import loop
 from goodput.accounting import plot, process_start
 from goodput.build import Trainer
+from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import resume
 from goodput.evaluate import write_report
 from goodput.model import model_sha256
@@ -127,6 +128,10 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,
+        "best_step": t.ckpt.best.step,  # checkpoint.keep_best_by (null when off)
+        "best_value": t.ckpt.best.value,
+        "best_checkpoint": t.ckpt_store.url(step_dir(t.ckpt.best.step)) if t.ckpt.best.step else None,
+        "stop_detail": t.early_stopping.detail() if result["stop_reason"] else None,
         "sample_order_sha256": t.loader.chain.hexdigest,
         "restarts": restarts,
         "resumed_from_steps": t.ledger.resumed_from,
