@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
+import torch
 from conftest import REPO, run_train
 from hydra import compose, initialize_config_dir
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (dist1 is a fixture)
@@ -86,6 +88,46 @@ def test_early_stopping_counts_evaluations_and_resumes_mid_count():
     assert run(b, seq[5:], first=5) == 7
 
 
+def _mlflow_run(tmp_path, experiment: str, artifact_location: str) -> dict:
+    from goodput.tracking import start_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, experiment, "r", {}, None, artifact_location)
+    return {"mlflow": {"tracking_uri": uri, "log_model": "final", "registered_model_name": "goodput-test"},
+            "mlflow_run_id": run_id, "model": {"_target_": "goodput.model.SmallCNN", "width": 8}}  # fmt: skip
+
+
+def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warns(tmp_path, dist1, caplog):  # noqa: F811
+    import mlflow
+    import mlflow.pytorch
+
+    from goodput import publish
+
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(3)
+    mgr.save(5, app)
+    mgr.wait()
+    x = torch.randn(4, 3, 16, 16)
+    c = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
+    uri = publish.log_model(c, mgr, x[:2], num_classes=4)
+    assert uri is not None and uri.startswith("models:/")
+    mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+    loaded = mlflow.pytorch.load_model(uri)
+    app.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), app.model(x))  # a batch of 4: the batch dimension stayed free
+    info = mlflow.get_logged_model(uri.rsplit("/", 1)[-1])
+    assert info.tags["model_sha256"] == model_sha256(app.model) and info.tags["checkpoint_step"] == "5"
+    assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions
+
+    (tmp_path / "not-a-dir").write_text("")  # an artifact store that cannot be written
+    c = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
+    with caplog.at_level(logging.WARNING, logger="goodput.publish"):
+        assert publish.log_model(c, mgr, x[:2], num_classes=4) is None
+    assert "could not log the model of step 5 to MLflow" in caplog.text
+    mgr.close()
+
+
 @pytest.mark.slow
 def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_path):
     """One config, run uninterrupted and killed + relaunched: both stop early at the same step with
@@ -93,7 +135,7 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
     cfg = ["trainer.max_steps=60", "trainer.eval_every_n_steps=2", "checkpoint.every_n_steps=4",
            "checkpoint.keep_last=1", "checkpoint.keep_best_by=val/accuracy", "checkpoint=dcp_sync",
            "trainer.early_stopping_patience=3", "trainer.early_stopping_by=val/loss",
-           "trainer.early_stopping_min_delta=0.005"]  # fmt: skip
+           "trainer.early_stopping_min_delta=0.005", "mlflow.log_model=best"]  # fmt: skip
     _, ref = run_train(tmp_path / "ref", *cfg)
     assert ref["stop_reason"] == "early_stopping" and 0 < ref["steps"] < 60, ref["steps"]
     assert ref["best_step"] is not None and ref["best_value"] is not None
@@ -105,6 +147,26 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
     assert f"step-{ref['best_step']:09d}" in kept  # retention (keep_last=1) kept the best
     with open(ck / f"step-{ref['best_step']:09d}" / COMMIT) as f:
         assert json.load(f)["metric"] == {"val/accuracy": ref["best_value"]}
+
+    # the best commit's weights, logged as an MLflow model: loads back with the same outputs
+    import mlflow
+    import mlflow.pytorch
+
+    from goodput.checkpoint.export import model_state
+    from goodput.model import SmallCNN
+    from goodput.storage import Storage
+
+    best = SmallCNN(num_classes=10, width=32).eval()
+    with open(ck / f"step-{ref['best_step']:09d}" / COMMIT) as f:
+        rec = parse_commit(f.read().encode(), f"step-{ref['best_step']:09d}")
+    best.load_state_dict(model_state(Storage(str(ck)), rec))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'ref'}/mlflow.db")
+    logged = mlflow.pytorch.load_model(ref["mlflow_model_uri"])
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(logged(x), best(x))
+    tags = mlflow.get_logged_model(ref["mlflow_model_uri"].rsplit("/", 1)[-1]).tags
+    assert tags["checkpoint_step"] == str(ref["best_step"]) and tags["model_sha256"] == model_sha256(best)
 
     kill_at = ref["steps"] - 3  # after at least one commit, before the stop
     run_train(tmp_path / "kill", *cfg, f"fault.kill_at_step={kill_at}", expect_rc=-9)

@@ -56,6 +56,19 @@ class MlflowConfig:
     artifact_location: str = "${paths.root}/mlartifacts"
     """Where the experiment stores artifacts; used only when the experiment is first created."""
 
+    log_model: str = "final"
+    """At the end of a run, log the weights of this commit as an MLflow model (signature, input
+    example, tags model_sha256 and checkpoint_step): `final` (the last step), `best` (the commit of
+    checkpoint.keep_best_by), `none`. After training, on its own thread: a failing artifact store
+    only warns. summary.json's mlflow_model_uri loads it (mlflow.pytorch.load_model)."""
+
+    registered_model_name: str | None = None
+    """Also register the logged model under this name in the Model Registry (null = don't)."""
+
+    def __post_init__(self):
+        if self.log_model not in ("final", "best", "none"):
+            raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}

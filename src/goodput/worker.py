@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from goodput import loop
+from goodput import loop, publish
 from goodput.accounting import plot, process_start
 from goodput.build import Trainer
 from goodput.checkpoint.layout import step_dir
@@ -124,7 +124,11 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     c, run_dir = t.cfg, t.cfg["run_dir"]
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
     t.attempts.beat(result["steps"])
-    goodput = t.ledger.report(restarts, t.attempts.lost_steps())
+    goodput = t.ledger.report(restarts, t.attempts.lost_steps())  # training is over: not counted below
+    # The logged model's input example: two samples, since torch.export (MLflow's default format)
+    # fixes a batch dimension of 1 to a constant
+    example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
+    model_uri = publish.log_model(c, t.ckpt, example, t.loader.num_classes)
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,
@@ -138,6 +142,7 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
         "goodput": goodput,
         "recovery": recovery_summary(t.attempts),
         "mlflow_run_id": c["mlflow_run_id"],
+        "mlflow_model_uri": model_uri,
         "checkpoint_dir": t.ckpt_store.url(),
         "last_committed_step": t.ckpt.last_committed_step,
         "world_size": t.dist.world,
