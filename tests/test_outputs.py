@@ -182,3 +182,25 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
         AlreadyDone, match=f"is complete: it stopped at step {ref['steps']} \\(early_stopping"
     ):
         prepare(again, str(tmp_path / "again"))
+
+
+def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path):
+    """MLflow 3.17's UI shows an experiment in its GenAI view unless the URL says
+    workflowType=machine_learning (seen in a headless Chromium: docs/mlflow-runs-table.png); the
+    experiment is also tagged as a training one (what the UI reads with its workflow switch off)."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from goodput.tracking import KIND_TAG, KIND_TRAINING, start_run
+
+    store = tmp_path / "mlflow.db"
+    start_run(f"sqlite:///{store}", "goodput", "r", {}, None, str(tmp_path / "a"))
+    exp = MlflowClient(f"sqlite:///{store}").get_experiment_by_name("goodput")
+    assert exp.tags[KIND_TAG] == KIND_TRAINING
+    out = subprocess.run(
+        [sys.executable, "scripts/mlflow_ui.py", "--store", str(store), "--print-url"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" in out.stdout

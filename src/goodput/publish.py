@@ -52,9 +52,7 @@ def log_model(c: dict, ckpt, example: torch.Tensor, num_classes: int, timeout_s:
     th.start()
     th.join(timeout_s)
     if th.is_alive():
-        log.warning(
-            "logging the model to MLflow took over %.0f s: gave up (the checkpoint stays)", timeout_s
-        )
+        log.warning("logging the model to MLflow took over %.0f s: gave up (the checkpoint stays)", timeout_s)
         return None
     return out[0]
 

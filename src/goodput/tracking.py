@@ -92,13 +92,19 @@ def _retry(fn, *args, tries: int = 10, **kw):
             time.sleep(0.2 * (i + 1))
 
 
+# MLflow 3's UI opens an experiment in its GenAI view (traces, sessions) unless this tag says it holds
+# model training runs (or the URL says so: workflowType=machine_learning, see scripts/mlflow_ui.py).
+KIND_TAG, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 def get_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
     exp = _retry(client.get_experiment_by_name, name)
     if exp is not None:
         return exp.experiment_id
     try:
         # Without a location MLflow puts artifacts in ./mlruns of whatever the current directory is.
-        return _retry(client.create_experiment, name, artifact_location=artifact_location)
+        tags = {KIND_TAG: KIND_TRAINING}
+        return _retry(client.create_experiment, name, artifact_location=artifact_location, tags=tags)
     except Exception:  # another job created it between our two calls
         exp = _retry(client.get_experiment_by_name, name)
         if exp is None:
