@@ -113,8 +113,13 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
         params,
         previous_run_id,
         c["mlflow"]["artifact_location"],
-        tags=source_tags(sys.argv[0]),
+        tags={**source_tags(sys.argv[0]), **parent_tag(c["mlflow"]["parent_run_id"])},
     )
+
+
+def parent_tag(run_id: str | None) -> dict[str, str]:
+    """A trial of a hyperparameter search nests under the search's run (MLflow's own tag)."""
+    return {"mlflow.parentRunId": run_id} if run_id else {}
 
 
 def ensure_data(c: dict) -> None:

@@ -65,6 +65,10 @@ class MlflowConfig:
     registered_model_name: str | None = None
     """Also register the logged model under this name in the Model Registry (null = don't)."""
 
+    parent_run_id: str | None = None
+    """Nest this run under that MLflow run (the `mlflow.parentRunId` tag). Set by the Optuna sweeper
+    (hparams_search=...) for each trial: the sweep's parent run groups its trials in the UI."""
+
     def __post_init__(self):
         if self.log_model not in ("final", "best", "none"):
             raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
