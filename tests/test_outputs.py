@@ -169,8 +169,9 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
     assert tags["checkpoint_step"] == str(ref["best_step"]) and tags["model_sha256"] == model_sha256(best)
 
     kill_at = ref["steps"] - 3  # after at least one commit, before the stop
-    run_train(tmp_path / "kill", *cfg, f"fault.kill_at_step={kill_at}", expect_rc=-9)
-    _, s = run_train(tmp_path / "kill", *cfg, f"fault.kill_at_step={kill_at}")
+    fast = "mlflow.log_model=none"  # the logged model is checked above
+    run_train(tmp_path / "kill", *cfg, fast, f"fault.kill_at_step={kill_at}", expect_rc=-9)
+    _, s = run_train(tmp_path / "kill", *cfg, fast, f"fault.kill_at_step={kill_at}")
     assert s["restarts"] == 1 and s["resumed_from_steps"]
     for k in ("steps", "stop_reason", "best_step", "best_value", "model_sha256", "val"):
         assert s[k] == ref[k], k
@@ -184,11 +185,11 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
         prepare(again, str(tmp_path / "again"))
 
 
-def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path):
+def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path, monkeypatch, capsys):
     """MLflow 3.17's UI shows an experiment in its GenAI view unless the URL says
     workflowType=machine_learning (seen in a headless Chromium: docs/mlflow-runs-table.png); the
     experiment is also tagged as a training one (what the UI reads with its workflow switch off)."""
-    import subprocess
+    import runpy
     import sys
 
     from mlflow.tracking import MlflowClient
@@ -199,11 +200,10 @@ def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path):
     start_run(f"sqlite:///{store}", "goodput", "r", {}, None, str(tmp_path / "a"))
     exp = MlflowClient(f"sqlite:///{store}").get_experiment_by_name("goodput")
     assert exp.tags[KIND_TAG] == KIND_TRAINING
-    out = subprocess.run(
-        [sys.executable, "scripts/mlflow_ui.py", "--store", str(store), "--print-url"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    assert f"/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" in out.stdout
+    monkeypatch.setattr(sys, "argv", ["mlflow_ui.py", "--store", str(store), "--print-url"])
+    runpy.run_path(str(REPO / "scripts" / "mlflow_ui.py"), run_name="__main__")
+    want = f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    assert want in capsys.readouterr().out
 
 
 @pytest.mark.slow
