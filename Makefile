@@ -38,8 +38,8 @@ format: $(STAMP)  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-mlflow-ui: $(STAMP)  ## open the MLflow UI on outputs/mlflow.db (http://127.0.0.1:5000)
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --port 5000
+mlflow-ui: $(STAMP)  ## the MLflow UI on outputs/mlflow.db; prints the URL of the runs table (port 5000)
+	$(BIN)/python scripts/mlflow_ui.py --store $(CURDIR)/outputs/mlflow.db --port 5000
 
 bench: $(STAMP)  ## run both benchmarks at their default sizes (about 10 min; results in outputs/bench/)
 	$(BIN)/python scripts/bench_checkpoint.py

@@ -3,25 +3,23 @@
 python scripts/inspect_checkpoint.py outputs/checkpoints/demo
 python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo              # every commit of a run
 python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo/step-000000300   # one step dir
-python scripts/inspect_checkpoint.py outputs/checkpoints/demo --export model.pt [--step 250]
+python scripts/inspect_checkpoint.py outputs/checkpoints/demo --export model.safetensors [--step 250]
 
 --verify streams every file of every committed checkpoint through its checksum and compares it with
 the commit record; it exits 1 and names each bad file (missing, wrong size, wrong checksum, or a commit
 record that does not parse). Step dirs without a commit are listed as incomplete: they are never
 loaded, so they fail the check only when named directly.
+
+--export writes the model's full state dict (DCP shards of any world size gathered) as safetensors:
+tensors only, loadable without unpickling anything (safetensors.torch.load_file), the step, backend
+and world size in its metadata. Load it into the model class the run used (`model.load_state_dict`).
 """
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from goodput.checkpoint.backends import SafeFileSystemReader
+from goodput.checkpoint.export import ExportError, model_state, save_safetensors
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
 from goodput.storage import CHECKSUM, Storage
 
@@ -42,6 +40,9 @@ def status(store: Storage, name: str) -> dict:
         "world_size": rec.get("world_size"),
         "bytes": rec.get("bytes", row["bytes"]),
         "status": f"files missing/wrong size: {bad[:3]}" if bad else "committed",
+        "metric": rec.get("metric"),  # the monitored metric of this step's evaluation (keep_best_by)
+        "best": rec.get("best"),  # the best so far when this step was saved
+        "stop_reason": rec.get("stop_reason"),
         "record": rec,
     }
 
@@ -75,37 +76,27 @@ def verify(store: Storage, name: str) -> list[str]:
 
 def export(store: Storage, row: dict, out: str) -> None:
     rec = row["record"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, want in rec["files"].items():
-            got = store.get(f"{row['dir']}/{name}", os.path.join(tmp, name))
-            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
-                sys.exit(
-                    f"{store.url(row['dir'] + '/' + name)} does not match its commit record: not exporting"
-                )
-        if rec["format"] == "torch_save":
-            model = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)["model"]
-        else:
-            reader = SafeFileSystemReader(tmp)
-            md = reader.read_metadata()
-            sd = {
-                k: torch.empty(m.size, dtype=m.properties.dtype)
-                for k, m in md.state_dict_metadata.items()
-                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
-            }
-            dcp.load(sd, storage_reader=reader, no_dist=True)
-            model = {k[len("model.") :]: v for k, v in sd.items()}
-    torch.save(model, out)
-    print(f"wrote {len(model)} tensors of step {row['step']} ({row['backend']}) to {out}")
+    try:
+        model = model_state(store, rec)
+    except ExportError as e:
+        sys.exit(f"{e}: not exporting")
+    meta = {"step": str(row["step"]), "backend": str(row["backend"]), "world_size": str(row["world_size"])}
+    save_safetensors(model, out, meta)
+    print(f"wrote {len(model)} tensors of step {row['step']} ({row['backend']}) to {out} (safetensors)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="a run's checkpoint.dir, or one step dir in it (path or fsspec URL)")
     p.add_argument("--verify", action="store_true", help="check every byte against the commit records")
-    p.add_argument("--export", metavar="FILE", help="write the model state dict of a committed checkpoint")
+    p.add_argument(
+        "--export", metavar="FILE.safetensors", help="write a committed checkpoint's model as safetensors"
+    )
     p.add_argument("--step", type=int, help="which step to export (default: the newest committed)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    if a.export and not a.export.endswith(".safetensors"):
+        p.error(f"--export writes safetensors: name the file *.safetensors, got {a.export}")
     one = parse_step(a.dir.rstrip("/").rsplit("/", 1)[-1])
     if one is not None:  # a single step dir
         parent, name = a.dir.rstrip("/").rsplit("/", 1)
@@ -132,6 +123,9 @@ def main() -> None:
                 print(f"{name}: ok")
         sys.exit(1 if bad else 0)
     rows = [status(store, n) for n in names]
+    best = next((r["best"] for r in reversed(rows) if r["status"] == "committed" and r.get("best")), None)
+    for r in rows:
+        r["is_best"] = best is not None and r["step"] == best["step"]
     if a.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "record"} for r in rows], indent=1))
     else:
@@ -139,7 +133,14 @@ def main() -> None:
         for r in rows:
             mb = r["bytes"] / 1e6
             backend, world = r.get("backend") or "-", r.get("world_size") or "-"
-            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}")
+            notes = "".join(
+                [f"  {k}={v:.4g}" for k, v in (r.get("metric") or {}).items()]
+                + (["  BEST"] if r["is_best"] else [])
+                + ([f"  stopped: {r['stop_reason']}"] if r.get("stop_reason") else [])
+            )
+            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}{notes}")
+        if best is not None:  # named by the newest commit: the best so far of checkpoint.keep_best_by
+            print(f"best: step {best['step']} ({best['by']} = {best['value']:.6g}, {best['mode']})")
     if a.export:
         ok = [r for r in rows if r["status"] == "committed" and (a.step is None or r["step"] == a.step)]
         if not ok:

@@ -30,7 +30,8 @@ CONF = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """Returns the value of the metric an hparams search optimizes (hydra.sweeper.metric), if any."""
     hc = HydraConfig.get()
     suffix = None
     if hc.mode == RunMode.MULTIRUN:
@@ -65,6 +66,10 @@ def main(cfg: DictConfig) -> None:
             c["mlflow"]["tracking_uri"],
             c["mlflow_run_id"],
         )
+        metric = hc.sweeper.get("metric")  # the Optuna sweeper's objective (hparams_search=...)
+        if metric is not None:
+            return (summary.get("val") or {}).get(metric)
+    return None
 
 
 if __name__ == "__main__":

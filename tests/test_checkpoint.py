@@ -216,6 +216,7 @@ def test_inspect_lists_and_exports(tmp_path, backend):
     import sys
 
     from conftest import REPO
+    from safetensors.torch import load_file
 
     _, s = run_train(tmp_path, f"checkpoint={backend}")
     ck = tmp_path / "checkpoints" / "smoke"
@@ -227,11 +228,17 @@ def test_inspect_lists_and_exports(tmp_path, backend):
         rows[12]["status"] == "committed" and rows[12]["backend"] == backend and rows[12]["world_size"] == 1
     )
     assert rows[99]["status"] == "incomplete"
-    cmd = [sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--export", str(tmp_path / "m.pt")]
+    cmd = [
+        sys.executable,
+        "scripts/inspect_checkpoint.py",
+        str(ck),
+        "--export",
+        str(tmp_path / "m.safetensors"),
+    ]
     subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     model = SmallCNN(num_classes=10, width=32)
-    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
-    assert model_sha256(model) == s["model_sha256"]  # the exported weights are the final model
+    model.load_state_dict(load_file(tmp_path / "m.safetensors"))  # tensors only: no unpickling
+    assert model_sha256(model) == s["model_sha256"]  # the exported weights are the final model, bit for bit
 
 
 def test_resaving_a_step_moves_the_old_dir_aside(tmp_path, dist1):

@@ -356,12 +356,13 @@ class Consumption:
 def _options() -> list[tuple[str, str]]:
     """Every option of every group: the files under conf/<group>/, and `base` for the groups whose
     only option is their schema (run, trainer, dataset, storage, mlflow). `hydra` is Hydra's own
-    config (consumed by Hydra; hydra/launcher=slurm is composed in test_config); `experiment`
-    files set other groups' keys (test_the_root_file_and_the_experiments)."""
+    config (consumed by Hydra; hydra/launcher=slurm is composed in test_config), and so are the
+    `hparams_search` presets (Hydra's sweeper; run in test_outputs); `experiment` files set other
+    groups' keys (test_the_root_file_and_the_experiments)."""
     out = set()
     for f in CONF.rglob("*.yaml"):
         group = f.parent.relative_to(CONF).as_posix()
-        if group != "." and group.split("/")[0] not in ("hydra", "experiment"):
+        if group != "." and group.split("/")[0] not in ("hydra", "experiment", "hparams_search"):
             out.add((group, f.stem))
     out |= {(g, "base") for g in SCHEMAS if not (CONF / g).is_dir()}
     return sorted(out)

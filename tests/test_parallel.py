@@ -41,6 +41,16 @@ def test_two_rank_smoke(tmp_path, ddp_reference, strategy, backend):
     assert commit["world_size"] == 2 and commit["backend"] == backend
     if backend != "torch_save":  # every rank wrote its own shard
         assert {f for f in commit["files"] if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    if strategy == "fsdp" and backend == "dcp_sync":  # the export gathers the FSDP shards, exactly
+        from goodput.checkpoint.export import model_state
+        from goodput.checkpoint.layout import parse_commit
+        from goodput.model import SmallCNN, model_sha256
+        from goodput.storage import Storage
+
+        rec = parse_commit((step12 / "COMMIT.json").read_bytes(), "step-000000012")
+        model = SmallCNN(num_classes=10, width=32)
+        model.load_state_dict(model_state(Storage(str(step12.parent)), rec))
+        assert model_sha256(model) == s["model_sha256"]
 
 
 def test_elastic_restart_after_worker_sigkill(tmp_path, ddp_reference):

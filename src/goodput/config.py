@@ -129,7 +129,7 @@ def build(schema, node: dict, key: str):
 def validate(c: dict) -> None:
     """Check a resolved config (plain dict); raise ConfigError listing every problem."""
     errors = []
-    for key in ("trainer", "checkpoint", "data", "storage", "parallel", "fault", "run", "paths"):
+    for key in ("trainer", "checkpoint", "data", "storage", "parallel", "fault", "run", "paths", "mlflow"):
         try:
             build(SCHEMAS[key], c[key], key)
         except (ValueError, TypeError) as e:
@@ -178,6 +178,9 @@ def validate(c: dict) -> None:
                 f"(trainer.global_batch_size={gbs} / world size {world}): gradient accumulation "
                 f"runs per_rank / micro_batch_size whole micro-batches per step"
             )
+
+    if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
+        errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

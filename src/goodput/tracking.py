@@ -54,6 +54,23 @@ class MlflowConfig:
     artifact_location: str = "${paths.root}/mlartifacts"
     """Where the experiment stores artifacts; used only when the experiment is first created."""
 
+    log_model: str = "final"
+    """At the end of a run, log the weights of this commit as an MLflow model (signature, input
+    example, tags model_sha256 and checkpoint_step): `final` (the last step), `best` (the commit of
+    checkpoint.keep_best_by), `none`. After training, on its own thread: a failing artifact store
+    only warns. summary.json's mlflow_model_uri loads it (mlflow.pytorch.load_model)."""
+
+    registered_model_name: str | None = None
+    """Also register the logged model under this name in the Model Registry (null = don't)."""
+
+    parent_run_id: str | None = None
+    """Nest this run under that MLflow run (the `mlflow.parentRunId` tag). Set by the Optuna sweeper
+    (hparams_search=...) for each trial: the sweep's parent run groups its trials in the UI."""
+
+    def __post_init__(self):
+        if self.log_model not in ("final", "best", "none"):
+            raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
@@ -77,13 +94,19 @@ def _retry(fn, *args, tries: int = 10, **kw):
             time.sleep(0.2 * (i + 1))
 
 
+# MLflow 3's UI opens an experiment in its GenAI view (traces, sessions) unless this tag says it holds
+# model training runs (or the URL says so: workflowType=machine_learning, see scripts/mlflow_ui.py).
+KIND_TAG, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 def get_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
     exp = _retry(client.get_experiment_by_name, name)
     if exp is not None:
         return exp.experiment_id
     try:
         # Without a location MLflow puts artifacts in ./mlruns of whatever the current directory is.
-        return _retry(client.create_experiment, name, artifact_location=artifact_location)
+        tags = {KIND_TAG: KIND_TRAINING}
+        return _retry(client.create_experiment, name, artifact_location=artifact_location, tags=tags)
     except Exception:  # another job created it between our two calls
         exp = _retry(client.get_experiment_by_name, name)
         if exp is None:

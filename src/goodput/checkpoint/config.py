@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from goodput.run.monitor import check_metric
 from goodput.storage import check_url
 
 
@@ -40,6 +41,15 @@ class CheckpointConfig:
     """Committed checkpoints kept (the newest is never deleted). More = older fallbacks if the
     newest proves unreadable, at the cost of storage."""
 
+    keep_best_by: str | None = None
+    """Also keep the commit of the best evaluation of this metric (`val/accuracy`, `val/loss`,
+    `val/top5`; null = off): a new best is checkpointed at once, retention never removes it while
+    it is the best (on top of keep_last), and its COMMIT.json carries the metric. The best so far is
+    part of the saved state, so restarts and resharding keep the same choice."""
+
+    keep_best_mode: str | None = None
+    """`max` or `min`: which way is better for keep_best_by; null = from the name (min for a loss)."""
+
     on_error: str = "raise"
     """A save that fails: `raise` stops the run; `continue` logs it and trains on (the previous
     commit stays the newest, so a crash would lose more)."""
@@ -60,6 +70,9 @@ class CheckpointConfig:
                 "checkpoint.keep_last must be >= 1 (the newest commit is never deleted), "
                 f"got {self.keep_last}"
             )
+        e += check_metric(self.keep_best_by, "checkpoint.keep_best_by")
+        if self.keep_best_mode not in (None, "max", "min"):
+            e.append(f"checkpoint.keep_best_mode must be max|min|null, got {self.keep_best_mode!r}")
         if self.on_error not in ("raise", "continue"):
             e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
         if self.commit_timeout_s <= 0:

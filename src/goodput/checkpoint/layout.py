@@ -106,6 +106,13 @@ def parse_commit(data: bytes, rel: str) -> dict:
         raise CommitError(f"bad world_size {world!r}")
     if rec.get("checksum") != CHECKSUM:
         raise CommitError(f"checksum algorithm {rec.get('checksum')!r}, expected {CHECKSUM}")
+    best = rec.get("best")  # checkpoint.keep_best_by: retention keeps the step it names
+    if best is not None and not (
+        isinstance(best, dict) and isinstance(best.get("step"), int) and not isinstance(best["step"], bool)
+    ):
+        raise CommitError(f"bad best record {best!r}")
+    if not isinstance(rec.get("stop_reason"), str | None):
+        raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
     rec["files"] = check_files(rec.get("files"))
     rec["dir"] = rel
     return rec

@@ -39,6 +39,7 @@ from goodput.checkpoint.layout import (
 )
 from goodput.checkpoint.state import AppState
 from goodput.resilience.signals import signals_blocked
+from goodput.run.monitor import Best
 from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
 from goodput.untrusted import regular
 
@@ -84,17 +85,30 @@ class CheckpointManager:
         self.remote_check: threading.Thread | None = None  # verifying the remote after a local restore
         self.remote_corrupt: list[str] = []  # what it found
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
+        self.best = Best(cfg.keep_best_by, cfg.keep_best_mode)  # Stateful: registered in the AppState
+        self._new_best = False
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
     # -- when ------------------------------------------------------------------------------
-    def maybe_save(self, step: int, app: AppState, last: bool = False) -> float | None:
-        """The loop's one call after each step: save when the interval says so, or when this is the
-        last step of the run or of this attempt (the end of training, an agreed stop signal).
+    def maybe_save(
+        self, step: int, app: AppState, last: bool = False, info: dict | None = None
+    ) -> float | None:
+        """The loop's one call after each step: save when the interval says so, when this step's
+        evaluation is a new best (keep_best_by), or when this is the last step of the run or of this
+        attempt (the end of training, an agreed stop signal). `info` goes into the commit record.
         Returns the seconds the loop was blocked, or None when there was nothing to save."""
-        if not (last or self.due(step)):  # `last` is the same on every rank: due()'s collective stays matched
+        new_best, self._new_best = self._new_best, False
+        # `last` and `new_best` are the same on every rank (metrics are all-reduced): due()'s
+        # collective stays matched
+        if not (last or new_best or self.due(step)):
             return None
         with signals_blocked():  # the first async save may start DCP's daemon and threads: they
-            return self.save(step, app)  # inherit the blocked mask (see goodput.resilience.signals)
+            return self.save(step, app, info)  # inherit the blocked mask (see goodput.resilience.signals)
+
+    def observe(self, metrics: dict, step: int) -> None:
+        """An evaluation's metrics (the same on every rank): a new best of keep_best_by is saved
+        by the next maybe_save, and protected from retention while it is the best."""
+        self._new_best = self.best.observe(metrics, step)
 
     def due(self, step: int) -> bool:
         """Step-count and wall-clock triggers. The wall clock is rank 0's, broadcast, so all ranks agree."""
@@ -108,7 +122,7 @@ class CheckpointManager:
         return by_steps or by_time
 
     # -- saving -----------------------------------------------------------------------------
-    def save(self, step: int, app: AppState) -> float:
+    def save(self, step: int, app: AppState, extra: dict | None = None) -> float:
         """Start a checkpoint of `step`; returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
         self._finish_pending()  # one save in flight at most
@@ -138,7 +152,11 @@ class CheckpointManager:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
-        info = {**self.commit_info, "time": time.time(), "torch": torch.__version__}
+        info = {**self.commit_info, **(extra or {}), "time": time.time(), "torch": torch.__version__}
+        if self.best.by is not None:
+            info["best"] = self.best.describe()
+            if self.best.last is not None and self.best.last[0] == step:
+                info["metric"] = {self.best.by: self.best.last[1]}
         meta = {"t0": t0, "step": step}
         if self.backend.is_async:
             th = threading.Thread(
@@ -391,9 +409,12 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         committed = self.committed()  # newest first; only committed ones count
+        # The best is kept while it is the best: the one this process knows, and the one the newest
+        # commit names (this process's may be newer than any commit yet, in an async save's window).
+        best = {self.best.step, (committed[0].get("best") or {}).get("step") if committed else None}
         for rec in committed[max(1, self.cfg.keep_last) :]:
-            if rec["step"] == self.last_committed_step:
-                continue  # never the one just committed
+            if rec["step"] == self.last_committed_step or rec["step"] in best:
+                continue  # never the one just committed, never the best
             self._site("retention")
             log.info("retention: removing %s", self.storage.url(rec["dir"]))
             self.storage.rm(rec["dir"], recursive=True)

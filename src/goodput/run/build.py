@@ -22,6 +22,7 @@ from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery, agent_phases, restart_round
 from goodput.resilience.recovery import failure_time as recovery_failure_time
+from goodput.run.monitor import EarlyStopping
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
 from goodput.storage import Storage
 from goodput.tracking import Tracker
@@ -104,6 +105,12 @@ class Trainer:
 
         self.ckpt = checkpoint_manager(c, d)
         self.ckpt_store = self.ckpt.storage
+        self.early_stopping = EarlyStopping(
+            tr["early_stopping_patience"], tr["early_stopping_by"], tr["early_stopping_min_delta"],
+            tr["early_stopping_mode"],
+        )  # fmt: skip
+        self.app.register("best", self.ckpt.best)  # the best so far and the early-stopping counter
+        self.app.register("early_stopping", self.early_stopping)  # resume with the run
         f = c["fault"]
         self.faults = Faults(
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]

@@ -96,6 +96,11 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
             f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
             f"Checkpoint: {store.url(newest['dir'])}"
         )
+    if newest is not None and newest.get("stop_reason"):
+        raise AlreadyDone(
+            f"run '{c['run']['name']}' is complete: it stopped at step {newest['step']} "
+            f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"
+        )
     previous_run_id = _run_to_continue(c, newest, store)
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
     params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})
@@ -117,7 +122,7 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
         params,
         previous_run_id,
         c["mlflow"]["artifact_location"],
-        tags=source_tags(sys.argv[0]),
+        tags={**source_tags(sys.argv[0]), **parent_tag(c["mlflow"]["parent_run_id"])},
     )
 
 
@@ -136,6 +141,11 @@ def _run_to_continue(c: dict, rec: dict | None, store) -> str | None:
         return None
     run_id = rec.get("mlflow_run_id")
     return run_id if isinstance(run_id, str) and run_id else None
+
+
+def parent_tag(run_id: str | None) -> dict[str, str]:
+    """A trial of a hyperparameter search nests under the search's run (MLflow's own tag)."""
+    return {"mlflow.parentRunId": run_id} if run_id else {}
 
 
 def ensure_data(c: dict) -> None:

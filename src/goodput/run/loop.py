@@ -18,6 +18,8 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
+from goodput.run.evaluate import default_top_k, evaluate
+from goodput.run.monitor import check_metric
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,25 @@ class TrainerConfig:
     """NHWC memory layout for the model and its inputs: faster convolutions on GPUs with tensor
     cores (and with bf16/fp16); no effect on the maths' result type, little on CPU."""
 
+    eval_top_k: int | None = None
+    """Also log val/top<k> (the true class among the k highest logits); null = 5 when there are at
+    least 5 classes, else none."""
+
+    early_stopping_patience: int | None = None
+    """Stop after this many evaluations in a row without an improvement of early_stopping_by (null =
+    off; needs eval_every_n_steps > 0). The stop commits a checkpoint, exits 0, and summary.json's
+    stop_reason says early_stopping; a relaunch of the run then says it is complete. The counter is
+    in the checkpoint: a resumed run stops at the same step as an uninterrupted one."""
+
+    early_stopping_by: str = "val/loss"
+    """The metric early stopping watches: val/loss, val/accuracy or val/top<k>."""
+
+    early_stopping_min_delta: float = 0.0
+    """An evaluation improves only when it beats the best so far by more than this."""
+
+    early_stopping_mode: str | None = None
+    """`max` or `min` for early_stopping_by; null = from the name (min for a loss, else max)."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
@@ -159,6 +180,18 @@ class TrainerConfig:
             e.append(f"trainer.log_every_n_steps must be > 0, got {self.log_every_n_steps}")
         if self.num_threads <= 0:
             e.append(f"trainer.num_threads must be > 0, got {self.num_threads}")
+        if self.eval_top_k is not None and not (isinstance(self.eval_top_k, int) and self.eval_top_k >= 1):
+            e.append(f"trainer.eval_top_k must be >= 1 or null, got {self.eval_top_k!r}")
+        p = self.early_stopping_patience
+        if p is not None and not (isinstance(p, int) and p >= 1):
+            e.append(f"trainer.early_stopping_patience must be >= 1 or null, got {p!r}")
+        if p is not None and not self.eval_every_n_steps:
+            e.append("trainer.early_stopping_patience counts evaluations: set trainer.eval_every_n_steps > 0")
+        e += check_metric(self.early_stopping_by, "trainer.early_stopping_by")
+        if self.early_stopping_min_delta < 0:
+            e.append(f"trainer.early_stopping_min_delta must be >= 0, got {self.early_stopping_min_delta}")
+        if self.early_stopping_mode not in (None, "max", "min"):
+            e.append(f"trainer.early_stopping_mode must be max|min|null, got {self.early_stopping_mode!r}")
         if self.progress not in ("auto", True, False):
             e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
         if str(self.precision) not in ("32", "bf16-mixed", "16-mixed"):
@@ -215,23 +248,6 @@ def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
     return f
 
 
-@torch.no_grad()
-def evaluate(model, loader, device, world: int) -> float:
-    model.eval()
-    correct = torch.zeros(2, dtype=torch.float64)
-    for batch in loader:
-        x, y = batch["image"].to(device, non_blocking=True), batch["label"].to(device)
-        pred = model(x).argmax(1)
-        mask = y >= 0
-        correct += torch.tensor(
-            [(pred[mask] == y[mask]).sum().item(), mask.sum().item()], dtype=torch.float64
-        )
-    if world > 1:
-        dist.all_reduce(correct)
-    model.train()
-    return (correct[0] / correct[1].clamp(min=1)).item()
-
-
 def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
     """Whole-job numbers: images/s over the slowest rank; fetch seconds max and mean across ranks."""
     t = torch.tensor([step_s, fetch_s, fetch_s, float(images)], dtype=torch.float64)
@@ -262,10 +278,12 @@ def train(t) -> dict:
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
-    loss_val, val_acc = float("nan"), None
+    loss_val, val_acc, last_eval = float("nan"), None, None
+    top_k = default_top_k(cfg["trainer"]["eval_top_k"], t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
     while step < max_steps:
+        early = False
         t0 = time.perf_counter()
         batch = next(t.loader)  # the accelerator idles for exactly this long
         t1 = time.perf_counter()
@@ -303,12 +321,18 @@ def train(t) -> dict:
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
-            val_acc = evaluate(t.eval_module(), t.val_loader, d.device, d.world)
+            last_eval = evaluate(
+                t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
+            )
             t.ledger.add("eval", time.perf_counter() - te)
-            t.tracker.log({"val/accuracy": val_acc}, step)
+            val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
+            t.tracker.log(metrics, step)
+            t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
+            early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
 
         stopping = stop.agreed(d.world)
-        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping)
+        info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
+        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping or early, info=info)
         if blocking is not None:
             t.ledger.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
@@ -316,6 +340,9 @@ def train(t) -> dict:
             t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
         if stopping:
             log.warning("received %s: checkpointed step %d, stopping", stop.received, step)
+            break
+        if early:
+            log.warning("early stopping at step %d: %s", step, t.early_stopping.detail())
             break
 
     bar.close()
@@ -325,4 +352,6 @@ def train(t) -> dict:
     t.ledger.add("checkpoint", time.perf_counter() - tw)
     for m in t.ckpt.drain_metrics():
         t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
-    return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received}
+    reason = "early_stopping" if t.early_stopping.stopped_at == step < max_steps else None
+    return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received,
+            "stop_reason": reason, "evaluation": last_eval}  # fmt: skip

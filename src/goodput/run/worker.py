@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from goodput import publish
+from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import resume
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
@@ -24,6 +26,7 @@ from goodput.resilience.recovery import Recovery, summarize
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.run import loop
 from goodput.run.build import Trainer
+from goodput.run.evaluate import write_report
 from goodput.storage import atomic_write
 
 log = logging.getLogger("goodput")
@@ -120,16 +123,27 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
 def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
     c, run_dir = t.cfg, t.cfg["run_dir"]
+    ev, classes = result.pop("evaluation", None), t.loader.files.classes
     t.attempts.beat(result["steps"])
-    goodput = t.ledger.report(restarts, t.attempts.lost_steps())
+    goodput = t.ledger.report(restarts, t.attempts.lost_steps())  # training is over: not counted below
+    # The logged model's input example: two samples, since torch.export (MLflow's default format)
+    # fixes a batch dimension of 1 to a constant
+    example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
+    model_uri = publish.log_model(c, t.ckpt, example, t.loader.num_classes)
     summary = {
         **result,
+        "val": ev.metrics(classes) if ev is not None else None,
+        "best_step": t.ckpt.best.step,  # checkpoint.keep_best_by (null when off)
+        "best_value": t.ckpt.best.value,
+        "best_checkpoint": t.ckpt_store.url(step_dir(t.ckpt.best.step)) if t.ckpt.best.step else None,
+        "stop_detail": t.early_stopping.detail() if result["stop_reason"] else None,
         "sample_order_sha256": t.loader.chain.hexdigest,
         "restarts": restarts,
         "resumed_from_steps": t.ledger.resumed_from,
         "goodput": goodput,
         "recovery": recovery_summary(t.attempts),
         "mlflow_run_id": c["mlflow_run_id"],
+        "mlflow_model_uri": model_uri,
         "checkpoint_dir": t.ckpt_store.url(),
         "last_committed_step": t.ckpt.last_committed_step,
         "world_size": t.dist.world,
@@ -141,6 +155,9 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     t.tracker.artifact(os.path.join(run_dir, "summary.json"))
     plot(goodput, os.path.join(run_dir, "goodput.png"))
     t.tracker.artifact(os.path.join(run_dir, "goodput.png"))
+    if ev is not None:  # the last evaluation: per-class table and confusion matrix
+        for path in write_report(ev, classes, os.path.join(run_dir, "evaluation")):
+            t.tracker.artifact(path, "evaluation")
     hydra_dir = os.path.join(run_dir, ".hydra")
     if os.path.isdir(hydra_dir):
         t.tracker.artifacts(hydra_dir, "hydra")

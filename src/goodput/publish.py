@@ -1,0 +1,92 @@
+"""The model in MLflow: at the end of a run, rank 0 logs the weights of one committed checkpoint
+(`mlflow.log_model`: the final one, or the best of checkpoint.keep_best_by) as an MLflow PyTorch
+model with a signature and an input example, tagged with its model_sha256 and checkpoint step, and
+registers it when `mlflow.registered_model_name` is set.
+
+The weights come from the checkpoint, not from the live model: no collective (rank 0 alone, after
+the others are done), no gathering under FSDP, and the tag names exactly the commit they came
+from. Training is over when this runs, and it runs on a thread bounded by `timeout_s`: an artifact
+store that fails or hangs costs a warning, never the finished run (the checkpoint stays the source
+of truth; summary.json's mlflow_model_uri is then null).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from hydra.utils import instantiate
+
+from goodput.checkpoint.export import model_state
+from goodput.model import model_sha256
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("final", "best", "none")
+
+
+def log_model(c: dict, ckpt, example: torch.Tensor, num_classes: int, timeout_s: float = 600.0) -> str | None:
+    """Log (and maybe register) the model of the run's final or best commit; returns its model URI
+    (`models:/...`, for mlflow.pytorch.load_model), or None when off or when logging failed."""
+    m = c["mlflow"]
+    source, name = m["log_model"], m["registered_model_name"]
+    if source == "none" or c["mlflow_run_id"] is None:
+        return None
+    step = ckpt.best.step if source == "best" else ckpt.last_committed_step
+    if step is None:
+        log.warning("mlflow.log_model=%s: no committed checkpoint to log (keep_best_by off?)", source)
+        return None
+    out: list = [None]
+
+    def work():
+        try:
+            out[0] = _log(c, ckpt, step, source, name, example, num_classes)
+        except Exception as e:
+            log.warning(
+                "could not log the model of step %d to MLflow (%s: %s); the checkpoint %s is the model",
+                step, type(e).__name__, e, ckpt.storage.url(f"step-{step:09d}"),
+            )  # fmt: skip
+
+    th = threading.Thread(target=work, name="mlflow-model", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        log.warning("logging the model to MLflow took over %.0f s: gave up (the checkpoint stays)", timeout_s)
+        return None
+    return out[0]
+
+
+def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
+    import mlflow
+    import mlflow.pytorch
+    from mlflow.models import infer_signature
+
+    rec = next((r for r in ckpt.committed() if r["step"] == step), None)
+    if rec is None:
+        raise FileNotFoundError(f"no committed checkpoint of step {step}")
+    model = instantiate(c["model"], num_classes=num_classes)
+    model.load_state_dict(model_state(ckpt.storage, rec))
+    model.eval()
+    x = example.detach().cpu().float().numpy()
+    with torch.no_grad():
+        y = model(example.detach().cpu().float()).numpy()
+    sha = model_sha256(model)
+    tags = {"model_sha256": sha, "checkpoint_step": str(step), "checkpoint": ckpt.storage.url(rec["dir"]),
+            "weights": source}  # fmt: skip
+    mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+    with mlflow.start_run(run_id=c["mlflow_run_id"]):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            signature=infer_signature(x, y),
+            input_example=x,
+            registered_model_name=registered_name,
+            # Given, not inferred: inference loads the model in a fresh interpreter (seconds).
+            pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
+            tags=tags,
+            step=step,
+        )
+        mlflow.set_tags({f"model.{k}": v for k, v in tags.items()} | {"model.uri": info.model_uri})
+    log.info("MLflow model %s: weights of step %d (%s), model_sha256 %s", info.model_uri, step, source, sha)
+    return info.model_uri

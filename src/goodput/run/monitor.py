@@ -1,0 +1,122 @@
+"""Watching one validation metric across evaluations: the best-so-far (checkpoint.keep_best_by) and
+early stopping (trainer.early_stopping_*). Both are Stateful parts of the checkpoint (global JSON,
+the same on every rank), so a resumed or resharded run continues the same comparison and stops at
+the same step as an uninterrupted one."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+log = logging.getLogger(__name__)
+
+_METRIC = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*)$")
+
+
+def check_metric(name: str | None, key: str) -> list[str]:
+    """A monitor must be a metric every evaluation logs: val/loss, val/accuracy or val/top<k>."""
+    if name is None or (isinstance(name, str) and _METRIC.match(name)):
+        return []
+    return [
+        f"{key} must be val/loss, val/accuracy or val/top<k> (a metric each evaluation logs), got {name!r}"
+    ]
+
+
+def mode_of(name: str | None, mode: str | None) -> str:
+    """`max` or `min`; null = from the name (a loss falls, an accuracy rises)."""
+    if mode is not None:
+        return mode
+    return "min" if name is not None and name.endswith("loss") else "max"
+
+
+def _better(value: float, ref: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    if math.isnan(value):
+        return False
+    if ref is None:
+        return True
+    return value > ref + min_delta if mode == "max" else value < ref - min_delta
+
+
+def _value(metrics: dict, name: str) -> float:
+    if name not in metrics:
+        raise KeyError(f"the monitored metric {name!r} is not among this evaluation's {sorted(metrics)[:6]}")
+    return float(metrics[name])
+
+
+class Best:
+    """The best evaluation so far of metric `by` (None = off): its step and value."""
+
+    def __init__(self, by: str | None, mode: str | None):
+        self.by, self.mode = by, mode_of(by, mode)
+        self.step: int | None = None
+        self.value: float | None = None
+        self.last: tuple[int, float] | None = None  # the newest evaluation (its commit records it)
+
+    def observe(self, metrics: dict, step: int) -> bool:
+        """Record an evaluation; True when it is a new best (the step is then worth a checkpoint)."""
+        if self.by is None:
+            return False
+        v = _value(metrics, self.by)
+        self.last = (step, v)
+        if _better(v, self.value, self.mode):
+            self.step, self.value = step, v
+            return True
+        return False
+
+    def describe(self) -> dict | None:
+        if self.by is None or self.step is None:
+            return None
+        return {"by": self.by, "mode": self.mode, "step": self.step, "value": self.value}
+
+    def state_dict(self) -> dict:
+        return {"by": self.by, "mode": self.mode, "step": self.step, "value": self.value}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if (sd.get("by"), sd.get("mode")) != (self.by, self.mode):
+            if self.by is not None and sd.get("by") is not None:
+                log.warning(
+                    "checkpoint.keep_best_by changed from %s (%s) to %s (%s): the best so far starts over",
+                    sd.get("by"), sd.get("mode"), self.by, self.mode,
+                )  # fmt: skip
+            return
+        self.step, self.value = sd["step"], sd["value"]
+
+
+class EarlyStopping:
+    """Stop when `by` has not improved by more than `min_delta` for `patience` evaluations in a row
+    (patience None = off)."""
+
+    def __init__(self, patience: int | None, by: str, min_delta: float, mode: str | None):
+        self.patience, self.by, self.min_delta, self.mode = patience, by, min_delta, mode_of(by, mode)
+        self.best: float | None = None
+        self.bad = 0  # evaluations in a row without an improvement
+        self.stopped_at: int | None = None
+
+    def update(self, metrics: dict, step: int) -> bool:
+        """Record an evaluation; True when training should stop now."""
+        if self.patience is None:
+            return False
+        v = _value(metrics, self.by)
+        if _better(v, self.best, self.mode, self.min_delta):
+            self.best, self.bad = v, 0
+        else:
+            self.bad += 1
+        if self.bad >= self.patience:
+            self.stopped_at = step
+            return True
+        return False
+
+    def detail(self) -> str:
+        return (
+            f"{self.by} did not improve by more than {self.min_delta} "
+            f"({self.mode}) for {self.patience} evaluations; best {self.best}"
+        )
+
+    def state_dict(self) -> dict:
+        return {"by": self.by, "best": self.best, "bad": self.bad, "stopped_at": self.stopped_at}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("by") != self.by:  # another monitor: its counter says nothing about this one
+            return
+        self.best, self.bad, self.stopped_at = sd["best"], sd["bad"], sd["stopped_at"]

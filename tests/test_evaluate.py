@@ -1,0 +1,142 @@
+"""Evaluation: the figures against a hand-computed case, and the same numbers on 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from goodput.data.config import DataConfig
+from goodput.data.loader import eval_loader
+from goodput.data.synthetic import make_dataset
+from goodput.model import SmallCNN
+from goodput.run.evaluate import default_top_k, evaluate, write_report
+from goodput.storage import Storage
+
+# Six samples, four classes: each row is one sample's logits, the label beside it.
+LOGITS = [
+    ([4.0, 1.0, 0.0, 0.0], 0),  # top-1 right
+    ([1.0, 3.0, 2.0, 0.0], 2),  # wrong, 2nd best: a top-2 hit
+    ([0.0, 1.0, 2.0, 3.0], 0),  # wrong, last: no top-2 hit
+    ([0.0, 5.0, 0.0, 0.0], 1),  # right
+    ([2.0, 0.0, 1.0, 0.0], 2),  # wrong, 2nd best: top-2 hit
+    ([0.0, 0.0, 0.0, 9.0], 3),  # right
+]
+
+
+class Table(nn.Module):
+    """The 'model' of the hand-computed case: input i (a float holding the index) -> row i of LOGITS."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = nn.Parameter(torch.tensor([r for r, _ in LOGITS]), requires_grad=False)
+
+    def forward(self, x):
+        return self.rows[x.view(-1).long()]
+
+
+def test_figures_match_a_hand_computed_case():
+    idx = torch.arange(len(LOGITS), dtype=torch.float32)
+    labels = torch.tensor([y for _, y in LOGITS])
+    # two batches, the second padded with label -1 (what eval_loader does on short ranks)
+    batches = [
+        {"image": idx[:4], "label": labels[:4]},
+        {
+            "image": torch.cat([idx[4:], torch.zeros(2)]),
+            "label": torch.cat([labels[4:], torch.tensor([-1, -1])]),
+        },
+    ]
+    ev = evaluate(Table(), batches, torch.device("cpu"), 1, num_classes=4, top_k=2)
+    assert ev.count == 6
+    m = ev.metrics(["a", "b", "c", "d"])
+    assert m["val/accuracy"] == 3 / 6  # samples 0, 3, 5
+    assert m["val/top2"] == 5 / 6  # all but sample 2
+    # per class: a = samples 0 (right), 2 (wrong); b = 3 (right); c = 1, 4 (both wrong); d = 5 (right)
+    assert (m["val/class/a"], m["val/class/b"], m["val/class/c"], m["val/class/d"]) == (0.5, 1.0, 0.0, 1.0)
+    want_loss = sum(math.log(sum(math.exp(v) for v in r)) - r[y] for r, y in LOGITS) / 6
+    assert m["val/loss"] == pytest.approx(want_loss, rel=1e-6)
+    assert ev.confusion.tolist() == [[1, 0, 0, 1], [0, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1]]
+
+
+def test_top_k_default_and_report(tmp_path):
+    assert default_top_k(None, 10) == 5 and default_top_k(None, 4) is None and default_top_k(3, 4) == 3
+    ev = evaluate(
+        Table(), [{"image": torch.arange(6.0), "label": torch.tensor([y for _, y in LOGITS])}],
+        torch.device("cpu"), 1, num_classes=4, top_k=None,
+    )  # fmt: skip
+    assert not any(k.startswith("val/top") for k in ev.metrics(list("abcd")))
+    table, png = write_report(ev, ["a", "b", "c", "d"], str(tmp_path))
+    with open(table) as f:
+        rows = f.read().splitlines()
+    assert rows[0] == "class,label,samples,correct,accuracy" and rows[3] == "c,2,2,0,0.000000"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# -- 1 rank vs 2 ranks on a val set of odd size ------------------------------------------------
+def _data(root: str) -> DataConfig:
+    return DataConfig(
+        source={"_target_": "goodput.data.sources.RemoteSource"}, root=root,
+        cache_dir=os.path.join(root, "c"), image_size=16, num_workers=0,
+    )  # fmt: skip
+
+
+def _rank(rank: int, world: int, root: str, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    torch.manual_seed(0)
+    model = SmallCNN(3, width=8)
+    loader = eval_loader(_data(root), Storage(root), 2, rank, world, torch.device("cpu"))
+    ev = evaluate(model, loader, torch.device("cpu"), world, num_classes=3, top_k=2)
+    if rank == 0:
+        torch.save({"confusion": ev.confusion, "loss": ev.loss, "hits": ev.top_k_hits}, out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _run(world: int, root: str, out: str) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # no new interpreter: the children share the imported modules
+    procs = [ctx.Process(target=_rank, args=(r, world, root, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, f"rank exited {p.exitcode}"
+    return torch.load(out)
+
+
+def test_same_figures_on_one_and_two_ranks_with_an_odd_val_set(tmp_path):
+    root = str(tmp_path / "data")
+    make_dataset(root, num_classes=3, train_per_class=2, val_per_class=3, image_size=16, seed=1)
+    # the reference: every val sample once, in one batch, no loader
+    loader = eval_loader(_data(root), Storage(root), 64, 0, 1, torch.device("cpu"))
+    batch = next(iter(loader))
+    assert len(batch["label"]) == 9  # odd: two ranks get 5 and 4 (+1 pad)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        logits = SmallCNN(3, width=8).eval()(batch["image"])
+    want = torch.zeros(3, 3, dtype=torch.int64)
+    for y, p in zip(batch["label"].tolist(), logits.argmax(1).tolist()):
+        want[y, p] += 1
+    one = _run(1, root, str(tmp_path / "one.pt"))
+    two = _run(2, root, str(tmp_path / "two.pt"))
+    assert torch.equal(one["confusion"], want) and torch.equal(two["confusion"], want)
+    assert (
+        one["hits"] == two["hits"] == int((logits.topk(2, 1).indices == batch["label"][:, None]).any(1).sum())
+    )
+    want_loss = torch.nn.functional.cross_entropy(logits, batch["label"]).item()
+    # the loss is a float32 computation: another batch split moves its last bits, not more
+    assert one["loss"] == pytest.approx(want_loss, rel=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)

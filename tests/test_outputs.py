@@ -1,0 +1,236 @@
+"""What a run leaves behind: the best checkpoint, early stopping, the exported and the logged model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from conftest import REPO, run_train
+from hydra import compose, initialize_config_dir
+from test_checkpoint import dist1, make_app, manager  # noqa: F401  (dist1 is a fixture)
+
+from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit
+from goodput.model import model_sha256
+from goodput.run.job import AlreadyDone, prepare
+from goodput.run.monitor import Best, EarlyStopping
+
+
+def test_best_commit_survives_retention_and_restore(tmp_path, dist1):  # noqa: F811
+    mgr = manager(tmp_path, "dcp_sync", dist1, keep_last=1, keep_best_by="val/accuracy")
+    app, *_ = make_app(1)
+    app.register("best", mgr.best)
+    saved = []
+    for step, acc in [(1, 0.2), (2, 0.5), (3, 0.4), (4, 0.3)]:
+        mgr.observe({"val/accuracy": acc, "val/loss": 1.0}, step)
+        if mgr.maybe_save(step, app, last=step == 4) is not None:  # no interval: a new best saves
+            saved.append(step)
+    mgr.wait()
+    assert saved == [1, 2, 4]
+    assert [r["step"] for r in mgr.committed()] == [4, 2]  # keep_last=1, plus the best
+    rec2 = mgr.committed()[1]
+    assert rec2["metric"] == {"val/accuracy": 0.5}
+    assert rec2["best"] == {"by": "val/accuracy", "mode": "max", "step": 2, "value": 0.5}
+    assert mgr.committed()[0]["best"]["step"] == 2
+    expected = model_sha256(app.model)
+
+    # a restart: the best so far comes back with the state, and the old best goes once it is beaten
+    mgr2 = manager(tmp_path, "dcp_sync", dist1, keep_last=1, keep_best_by="val/accuracy")
+    app2, *_ = make_app(2)
+    app2.register("best", mgr2.best)
+    rec, _ = mgr2.restore(app2, mgr2.committed())
+    assert rec["step"] == 4 and model_sha256(app2.model) == expected
+    assert (mgr2.best.step, mgr2.best.value) == (2, 0.5)
+    mgr2.observe({"val/accuracy": 0.45}, 5)  # not better: no save
+    assert mgr2.maybe_save(5, app2) is None
+    mgr2.observe({"val/accuracy": 0.6}, 6)
+    assert mgr2.maybe_save(6, app2) is not None
+    mgr2.wait()
+    assert [r["step"] for r in mgr2.committed()] == [6]
+    mgr.close()
+    mgr2.close()
+
+
+def test_min_mode_and_bad_best_records(tmp_path):
+    b = Best("val/loss", None)
+    assert b.mode == "min"
+    assert [b.observe({"val/loss": v}, s) for s, v in enumerate([2.0, 1.5, 1.7, float("nan"), 1.2])] == [
+        True, True, False, False, True,
+    ]  # fmt: skip
+    assert (b.step, b.value) == (4, 1.2)
+    with pytest.raises(KeyError, match="val/loss"):
+        b.observe({"val/accuracy": 1.0}, 5)
+    rec = {"step": 3, "format": "dcp", "world_size": 1, "checksum": "xxh3_128", "files": {"a": {}}}
+    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}):
+        with pytest.raises(CommitError, match="best|stop_reason"):
+            parse_commit(json.dumps({**rec, **bad}).encode(), "step-000000003")
+
+
+def test_early_stopping_counts_evaluations_and_resumes_mid_count():
+    seq = [1.0, 0.8, 0.79, 0.81, 0.7, 0.75, 0.72, 0.74]  # val/loss per evaluation
+
+    def run(es, values, first=0):
+        for i, v in enumerate(values, first):
+            if es.update({"val/loss": v}, i):
+                return i
+        return None
+
+    # min_delta 0.02: 0.79 is no real improvement, 0.7 is; then three without one
+    assert run(EarlyStopping(3, "val/loss", 0.02, None), seq) == 7
+    assert run(EarlyStopping(2, "val/loss", 0.0, None), seq) == 6
+    assert run(EarlyStopping(None, "val/loss", 0.0, None), seq) is None
+    a = EarlyStopping(3, "val/loss", 0.02, None)
+    assert run(a, seq[:5]) is None
+    b = EarlyStopping(3, "val/loss", 0.02, None)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # through the checkpoint's JSON
+    assert run(b, seq[5:], first=5) == 7
+
+
+def _mlflow_run(tmp_path, experiment: str, artifact_location: str) -> dict:
+    from goodput.tracking import start_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, experiment, "r", {}, None, artifact_location)
+    return {"mlflow": {"tracking_uri": uri, "log_model": "final", "registered_model_name": "goodput-test"},
+            "mlflow_run_id": run_id, "model": {"_target_": "goodput.model.SmallCNN", "width": 8}}  # fmt: skip
+
+
+def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warns(tmp_path, dist1, caplog):  # noqa: F811
+    import mlflow
+    import mlflow.pytorch
+
+    from goodput import publish
+
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(3)
+    mgr.save(5, app)
+    mgr.wait()
+    x = torch.randn(4, 3, 16, 16)
+    c = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
+    uri = publish.log_model(c, mgr, x[:2], num_classes=4)
+    assert uri is not None and uri.startswith("models:/")
+    mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+    loaded = mlflow.pytorch.load_model(uri)
+    app.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), app.model(x))  # a batch of 4: the batch dimension stayed free
+    info = mlflow.get_logged_model(uri.rsplit("/", 1)[-1])
+    assert info.tags["model_sha256"] == model_sha256(app.model) and info.tags["checkpoint_step"] == "5"
+    assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions
+
+    (tmp_path / "not-a-dir").write_text("")  # an artifact store that cannot be written
+    c = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
+    with caplog.at_level(logging.WARNING, logger="goodput.publish"):
+        assert publish.log_model(c, mgr, x[:2], num_classes=4) is None
+    assert "could not log the model of step 5 to MLflow" in caplog.text
+    mgr.close()
+
+
+@pytest.mark.slow
+def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_path):
+    """One config, run uninterrupted and killed + relaunched: both stop early at the same step with
+    the same best checkpoint, kept by retention; a relaunch of the stopped run says it is complete."""
+    cfg = ["trainer.max_steps=60", "trainer.eval_every_n_steps=2", "checkpoint.every_n_steps=4",
+           "checkpoint.keep_last=1", "checkpoint.keep_best_by=val/accuracy", "checkpoint=dcp_sync",
+           "trainer.early_stopping_patience=3", "trainer.early_stopping_by=val/loss",
+           "trainer.early_stopping_min_delta=0.005", "mlflow.log_model=best"]  # fmt: skip
+    _, ref = run_train(tmp_path / "ref", *cfg)
+    assert ref["stop_reason"] == "early_stopping" and 0 < ref["steps"] < 60, ref["steps"]
+    assert ref["best_step"] is not None and ref["best_value"] is not None
+    ck = tmp_path / "ref" / "checkpoints" / "smoke"
+    kept = sorted(n for n in os.listdir(ck) if n.startswith("step-"))
+    with open(ck / kept[-1] / COMMIT) as f:
+        newest = json.load(f)
+    assert newest["stop_reason"] == "early_stopping" and newest["step"] == ref["steps"]
+    assert f"step-{ref['best_step']:09d}" in kept  # retention (keep_last=1) kept the best
+    with open(ck / f"step-{ref['best_step']:09d}" / COMMIT) as f:
+        assert json.load(f)["metric"] == {"val/accuracy": ref["best_value"]}
+
+    # the best commit's weights, logged as an MLflow model: loads back with the same outputs
+    import mlflow
+    import mlflow.pytorch
+
+    from goodput.checkpoint.export import model_state
+    from goodput.model import SmallCNN
+    from goodput.storage import Storage
+
+    best = SmallCNN(num_classes=10, width=32).eval()
+    with open(ck / f"step-{ref['best_step']:09d}" / COMMIT) as f:
+        rec = parse_commit(f.read().encode(), f"step-{ref['best_step']:09d}")
+    best.load_state_dict(model_state(Storage(str(ck)), rec))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'ref'}/mlflow.db")
+    logged = mlflow.pytorch.load_model(ref["mlflow_model_uri"])
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(logged(x), best(x))
+    tags = mlflow.get_logged_model(ref["mlflow_model_uri"].rsplit("/", 1)[-1]).tags
+    assert tags["checkpoint_step"] == str(ref["best_step"]) and tags["model_sha256"] == model_sha256(best)
+
+    kill_at = ref["steps"] - 3  # after at least one commit, before the stop
+    fast = "mlflow.log_model=none"  # the logged model is checked above
+    run_train(tmp_path / "kill", *cfg, fast, f"fault.kill_at_step={kill_at}", expect_rc=-9)
+    _, s = run_train(tmp_path / "kill", *cfg, fast, f"fault.kill_at_step={kill_at}")
+    assert s["restarts"] == 1 and s["resumed_from_steps"]
+    for k in ("steps", "stop_reason", "best_step", "best_value", "model_sha256", "val"):
+        assert s[k] == ref[k], k
+
+    # the relaunch of the stopped run (in this process: the job's first phase is where it decides)
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        again = compose("train", overrides=["experiment=smoke", f"paths.root={tmp_path / 'kill'}", *cfg])
+    with pytest.raises(
+        AlreadyDone, match=f"is complete: it stopped at step {ref['steps']} \\(early_stopping"
+    ):
+        prepare(again, str(tmp_path / "again"))
+
+
+def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path, monkeypatch, capsys):
+    """MLflow 3.17's UI shows an experiment in its GenAI view unless the URL says
+    workflowType=machine_learning (seen in a headless Chromium: docs/mlflow-runs-table.png); the
+    experiment is also tagged as a training one (what the UI reads with its workflow switch off)."""
+    import runpy
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from goodput.tracking import KIND_TAG, KIND_TRAINING, start_run
+
+    store = tmp_path / "mlflow.db"
+    start_run(f"sqlite:///{store}", "goodput", "r", {}, None, str(tmp_path / "a"))
+    exp = MlflowClient(f"sqlite:///{store}").get_experiment_by_name("goodput")
+    assert exp.tags[KIND_TAG] == KIND_TRAINING
+    monkeypatch.setattr(sys, "argv", ["mlflow_ui.py", "--store", str(store), "--print-url"])
+    runpy.run_path(str(REPO / "scripts" / "mlflow_ui.py"), run_name="__main__")
+    want = f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    assert want in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_hparams_search_runs_three_trials_under_one_parent_run(tmp_path):
+    """hparams_search=optuna on experiment=smoke: 3 trials, each its own run nested under the sweep's
+    parent MLflow run; the best in optimization_results.yaml is the best trial's val/accuracy."""
+    import glob
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    run_train(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=3", "trainer.max_steps=4")
+    summaries = []
+    for f in sorted(glob.glob(f"{tmp_path}/multirun/*/*/summary.json")):
+        with open(f) as fh:
+            summaries.append(json.load(fh))
+    assert len(summaries) == 3
+    (results,) = glob.glob(f"{tmp_path}/multirun/*/optimization_results.yaml")
+    with open(results) as f:
+        best = yaml.safe_load(f)
+    assert best["trials"] == 3 and best["best_value"] == max(s["val"]["val/accuracy"] for s in summaries)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (exp,) = [e for e in client.search_experiments() if e.name == "goodput"]
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("goodput.sweep") == "optuna"]
+    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_id for r in trials) == sorted(s["mlflow_run_id"] for s in summaries)
+    assert len({r.data.params["optim.optimizer.lr"] for r in trials}) == 3  # Optuna asked 3 points
+    values = [m.value for m in client.get_metric_history(parent.info.run_id, "trial_value")]
+    assert sorted(values) == sorted(s["val"]["val/accuracy"] for s in summaries)
