@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 
 from goodput.accounting import Attempts, Ledger
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.compiler import CompileCache, CompileClock, cache_counters, compile_model
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.fault import Faults
 from goodput.parallel import STRATEGIES
@@ -80,6 +81,10 @@ class Trainer:
 
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         self.model = STRATEGIES[c["parallel"]["strategy"]]().wrap(model, d)
+        comp = {k: tr[k] for k in ("compile", "compile_mode", "compile_dynamic", "compile_cache_dir",
+                                   "compile_cache_upload")}  # fmt: skip
+        if comp["compile"]:  # the module the strategy returned: the DDP wrapper, the FSDP root
+            compile_model(self.model, comp["compile_mode"], comp["compile_dynamic"])
         self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
         self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
         self.ledger = Ledger()
@@ -94,6 +99,12 @@ class Trainer:
         f = c["fault"]
         self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
         self.ckpt.fault = self.faults
+        cache = None
+        if comp["compile"]:  # before the first call compiles anything
+            remote = self.ckpt_store if comp["compile_cache_upload"] else None
+            cache = CompileCache(comp["compile_cache_dir"], remote, d.rank, d.local_rank)
+            cache.activate()
+        self.compile_clock = CompileClock(comp["compile"], cache)
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
@@ -102,6 +113,12 @@ class Trainer:
         """The loop calls this after every step: the first one after a (re)start ends the recovery."""
         if "first_step" not in self.recovery.marks:
             self.recovery.mark("first_step")
+            if self.compile_clock.enabled and self.dist.rank == 0:  # cold or warm: what this start paid
+                cc = self.compile_clock.cache
+                self.attempts.record["compile"] = {
+                    "first_step_seconds": round(self.compile_clock.total, 4),
+                    "cache_artifacts_loaded": cc.loaded, "cache_source": cc.source, **cache_counters(),
+                }  # fmt: skip
             if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
                 self.record_recovery(step)
         if self.dist.rank == 0:
@@ -115,6 +132,8 @@ class Trainer:
             prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
             failure, source = recovery_failure_time(self.faults.fired(), prev)
             rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            if "compile" in self.attempts.record:  # inside `first_step`, not a phase of its own
+                rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
             if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
                 rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
             self.attempts.record["recovery"] = rec

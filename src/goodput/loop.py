@@ -17,6 +17,8 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from goodput.accounting import sync_point
+from goodput.compiler import MODES
 from goodput.signals import HELPER_ENV, PREEMPT_SIGNALS
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,28 @@ class TrainerConfig:
     """After a preemption signal (TERM, INT, USR1, USR2), exit hard if the step boundary is not
     reached by then (a stuck peer). Longer than one step, or a slow step is cut short."""
 
+    compile: bool = False
+    """torch.compile the model (goodput.compiler): faster steps after a compile that costs seconds
+    (demo model, CPU) to minutes (large models), paid on the first step, the first evaluation and
+    each recompile; the ledger counts it as `compile`. Checkpoints are the same compiled or not."""
+
+    compile_mode: str = "default"
+    """torch.compile's mode: `default`, `reduce-overhead` (CUDA graphs: less launch overhead, more
+    memory), `max-autotune` (benchmarks kernels: much longer compile), `max-autotune-no-cudagraphs`."""
+
+    compile_dynamic: bool | None = False
+    """false: shapes are static (the batch is fixed; a new shape, e.g. a short last eval batch,
+    compiles once more); true: compile for dynamic shapes; null: torch decides after a change."""
+
+    compile_cache_dir: str = "${paths.staging_dir}/compile_cache"
+    """Node-local disk for the compile cache (inductor's cache dir and torch's portable cache
+    artifacts): a restart or relaunch on this node reuses it instead of compiling again."""
+
+    compile_cache_upload: bool = False
+    """Also keep the portable cache artifacts beside the checkpoints (`<checkpoint.dir>/compile_cache/`),
+    read by a relaunch on a node whose local cache is empty. Off by default: the cache is generated
+    code that runs when loaded, so this trusts whoever can write the checkpoint dir."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
@@ -122,6 +146,10 @@ class TrainerConfig:
             e.append(f"trainer.num_threads must be > 0, got {self.num_threads}")
         if self.progress not in ("auto", True, False):
             e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
+        if self.compile_mode not in MODES:
+            e.append(f"trainer.compile_mode must be one of {list(MODES)}, got {self.compile_mode!r}")
+        if self.compile_dynamic not in (None, True, False):
+            e.append(f"trainer.compile_dynamic must be true|false|null, got {self.compile_dynamic!r}")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -206,6 +234,7 @@ def train(t) -> dict:
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
+    sync = sync_point(d.device)
     has_buffers = any(True for _ in t.model.buffers())
     loss_val, val_acc = float("nan"), None
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
@@ -226,10 +255,13 @@ def train(t) -> dict:
         t.optimizer.step()
         t.scheduler.step()
         step += 1
+        sync()  # on CUDA: the step's kernels are done, so the clock reads what they took
+        compiling = t.compile_clock.take()  # seconds of this step that were torch.compile
         t2 = time.perf_counter()
 
         t.ledger.add("fetch", t1 - t0)
-        t.ledger.add("productive", t2 - t1)
+        t.ledger.add("compile", compiling)
+        t.ledger.add("productive", t2 - t1 - compiling)
         window["fetch"] += t1 - t0
         window["step"] += t2 - t0
         window["images"] += len(y)
@@ -256,7 +288,9 @@ def train(t) -> dict:
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
             val_acc = evaluate(t.model, t.val_loader, d.device, d.world)
-            t.ledger.add("eval", time.perf_counter() - te)
+            compiling = t.compile_clock.take()  # a compiled model compiles again for inference
+            t.ledger.add("compile", compiling)
+            t.ledger.add("eval", time.perf_counter() - te - compiling)
             t.tracker.log({"val/accuracy": val_acc}, step)
 
         stopping = stop.agreed(d.world)

@@ -129,6 +129,7 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
         "resumed_from_steps": t.ledger.resumed_from,
         "goodput": goodput,
         "recovery": recovery_summary(t.attempts),
+        "compile": compile_summary(t.attempts),
         "mlflow_run_id": c["mlflow_run_id"],
         "checkpoint_dir": t.ckpt_store.url(),
         "last_committed_step": t.ckpt.last_committed_step,
@@ -152,6 +153,12 @@ def recovery_summary(attempts) -> dict:
     recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
     per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
     return {**summarize(per), "per_restart": per}
+
+
+def compile_summary(attempts) -> list[dict]:
+    """trainer.compile: what each start paid until its first step (cold or warm cache); [] if off."""
+    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
+    return [{"attempt": a["attempt"], **a["compile"]} for a in recs if "compile" in a]
 
 
 def fail_fast(e: BaseException, t: Trainer | None) -> None:
