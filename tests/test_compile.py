@@ -98,12 +98,12 @@ def test_sync_point_synchronizes_only_on_cuda():
 
 
 class FakeTorchCache:
-    """torch.compiler's save/load of cache artifacts, recorded (the real ones need a compile)."""
+    """torch's save of cache artifacts and our load, recorded (real artifacts need a compile)."""
 
     def __init__(self, monkeypatch, payload=b"compiled code"):
         self.payload, self.loaded = payload, []
         monkeypatch.setattr(torch.compiler, "save_cache_artifacts", self.save)
-        monkeypatch.setattr(torch.compiler, "load_cache_artifacts", self.load)
+        monkeypatch.setattr(compiler, "load_artifacts", self.load)
 
     def save(self):
         return self.payload, None
@@ -190,3 +190,29 @@ def test_a_compiled_run_killed_and_relaunched_reads_its_cache(tmp_path):
     g = s["goodput"]
     assert g["compile_seconds"] >= cold["first_step_seconds"] > g["productive_seconds"]
     print(f"cold {cold['first_step_seconds']}, warm {warm['first_step_seconds']}", file=sys.stderr)
+
+
+def _artifact_payload(batches) -> bytes:
+    """Bytes as save_cache_artifacts makes them after one save per batch (cumulative)."""
+    from torch.compiler._cache import CacheArtifactFactory, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    ser = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    for keys in batches:
+        ser.extend(
+            [("inductor", [CacheArtifactFactory.create("inductor", k, b"graph " + k.encode()) for k in keys])]
+        )
+    return ser.to_bytes()
+
+
+def test_every_saved_batch_is_loaded(tmp_path, monkeypatch):
+    """Two compiles in one process (the first step, the first evaluation) save twice: the bytes hold
+    two batches, and a new node must get both (torch's own load keeps only the last)."""
+    import torch._inductor.codecache  # noqa: F401  (registers the inductor artifact type)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    payload = _artifact_payload([["ftrainfwd", "ftrainbwd"], ["fevalfwd"]])
+    info = compiler.load_artifacts(payload)
+    assert sorted(info.artifacts["inductor"]) == ["fevalfwd", "ftrainbwd", "ftrainfwd"]
+    for key in ("ftrainfwd", "fevalfwd"):  # written where inductor's graph cache looks them up
+        assert list((tmp_path / "inductor").rglob(f"*{key}*")), key

@@ -114,6 +114,31 @@ def unwrap(blob: bytes, where: str) -> bytes | None:
     return payload
 
 
+def load_artifacts(payload: bytes):
+    """torch.compiler.load_cache_artifacts, keeping every batch. save_cache_artifacts appends one
+    (type, artifacts) batch per call to the bytes it returns (cumulative), but load's parser turns
+    the batches into a dict by type: only the last batch of each type is loaded, and a process that
+    saved after its first step and again after its first evaluation would hand a new node the
+    eval graphs only. So: parse with torch's own reader, merge the batches, populate as load does.
+    Falls back to the public call where those private names are gone."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:
+        return torch.compiler.load_cache_artifacts(payload)
+    try:
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        batches = AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache)
+    except Exception as e:  # torch's own checksum, a short or garbled payload
+        log.warning("torch cannot parse the compile cache artifacts: %s", e)
+        return None
+    merged: dict[str, list] = {}
+    for kind, artifacts in batches:
+        seen = {a.key for a in merged.setdefault(kind, [])}
+        merged[kind] += [a for a in artifacts if a.key not in seen]
+    return CacheArtifactManager.populate_caches(merged)
+
+
 class CompileCache:
     """Inductor's cache dir and torch's portable artifacts under `local_dir` (node-local disk);
     with `remote` (the checkpoint Storage), the artifacts are also uploaded there (rank 0)."""
@@ -135,7 +160,7 @@ class CompileCache:
             payload = unwrap(blob, where)
             if payload is None:
                 continue
-            info = torch.compiler.load_cache_artifacts(payload)  # None (and a warning) if unreadable
+            info = load_artifacts(payload)  # None (and torch's warning) if unreadable
             if info is None:
                 log.warning("torch could not read the compile cache %s; compiling from scratch", where)
                 continue

@@ -76,6 +76,9 @@ def _process_defaults(c: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
     torch.set_num_threads(c["trainer"]["num_threads"])
     if c["trainer"]["deterministic"]:
+        # cuBLAS is deterministic only with a fixed workspace, set before its first use; without
+        # it every matmul on CUDA raises under use_deterministic_algorithms. (CPU: unused.)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 
