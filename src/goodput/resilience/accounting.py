@@ -1,8 +1,8 @@
 """The goodput ledger: where a run's wall time went, across every attempt and restart.
 
 Totals for the surviving lineage (start-up, productive compute, waiting for data, checkpoint stalls,
-evaluation) are saved inside each checkpoint, so after a crash they roll back with the model: work
-done after the last commit drops out of the totals. The run's first start time is saved too, so
+evaluation, torch.compile) are saved inside each checkpoint, so after a crash they roll back with the
+model: work done after the last commit drops out of the totals. The run's first start time is saved too, so
 wall time includes every attempt and the gaps between them. What wall time the totals do not cover
 is `lost_seconds`: steps redone after a crash, and the time between a crash and the relaunch.
 
@@ -11,12 +11,14 @@ is `lost_seconds`: steps redone after a crash, and the time between a crash and 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 from goodput.storage import Storage
 from goodput.untrusted import RecordError, field, parse_record
@@ -24,7 +26,20 @@ from goodput.untrusted import RecordError, field, parse_record
 log = logging.getLogger(__name__)
 _ATTEMPT = re.compile(r"([0-9]{4,})\.json")
 
-CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval")
+CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile")
+
+
+def sync_point(device) -> Callable[[], None]:
+    """What the loop calls at a ledger boundary. On CUDA the host runs ahead of the kernels, so a
+    clock read right after launching a step would time the launch, not the step (and charge its
+    kernels to whatever waits next: the fetch, a checkpoint copy). One synchronize per step, at the
+    step's end, makes the split honest; it costs the host's run-ahead into the next `next(loader)`,
+    which the prefetching loader keeps to a queue pop. Elsewhere (CPU) a no-op: ops are synchronous."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
 
 
 def process_start() -> float:
@@ -100,7 +115,7 @@ def plot(report: dict, path: str) -> None:
 
     parts = [(c, report[f"{c}_seconds"]) for c in CATEGORIES] + [("lost", report["lost_seconds"])]
     colors = {"productive": "#2ca02c", "fetch": "#ff7f0e", "checkpoint": "#1f77b4", "startup": "#9467bd",
-              "eval": "#8c564b", "lost": "#d62728"}  # fmt: skip
+              "eval": "#8c564b", "compile": "#e377c2", "lost": "#d62728"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 1.8))
     left = 0.0
     for name, sec in parts:

@@ -22,6 +22,7 @@ from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery, agent_phases, restart_round
 from goodput.resilience.recovery import failure_time as recovery_failure_time
+from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model
 from goodput.run.monitor import EarlyStopping
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
 from goodput.storage import Storage
@@ -94,6 +95,10 @@ class Trainer:
             ema = make_ema(model, opts.ema_decay)
             ema.module = strategy.replica(ema.module, d, dtype)
         self.model = strategy.wrap(model, d, dtype)
+        comp = {k: tr[k] for k in ("compile", "compile_mode", "compile_dynamic", "compile_cache_dir",
+                                   "compile_cache_upload")}  # fmt: skip
+        if comp["compile"]:  # the module the strategy returned: the DDP wrapper, the FSDP root
+            compile_model(self.model, comp["compile_mode"], comp["compile_dynamic"])
         self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
         self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
         self.ledger = Ledger()
@@ -124,6 +129,12 @@ class Trainer:
         if ema is not None:
             self.app.register_module("ema", ema)
         self.eval_on = tr["eval_on"]
+        cache = None
+        if comp["compile"]:  # before the first call compiles anything
+            remote = self.ckpt_store if comp["compile_cache_upload"] else None
+            cache = CompileCache(comp["compile_cache_dir"], remote, d.rank, d.local_rank)
+            cache.activate()
+        self.compile_clock = CompileClock(comp["compile"], cache)
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
@@ -136,6 +147,12 @@ class Trainer:
         """The loop calls this after every step: the first one after a (re)start ends the recovery."""
         if "first_step" not in self.recovery.marks:
             self.recovery.mark("first_step")
+            if self.compile_clock.enabled and self.dist.rank == 0:  # cold or warm: what this start paid
+                cc = self.compile_clock.cache
+                self.attempts.record["compile"] = {
+                    "first_step_seconds": round(self.compile_clock.total, 4),
+                    "cache_artifacts_loaded": cc.loaded, "cache_source": cc.source, **cache_counters(),
+                }  # fmt: skip
             if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
                 self.record_recovery(step)
         if self.dist.rank == 0:
@@ -149,6 +166,8 @@ class Trainer:
             prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
             failure, source = recovery_failure_time(self.faults.fired(), prev)
             rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            if "compile" in self.attempts.record:  # inside `first_step`, not a phase of its own
+                rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
             if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
                 rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
             self.attempts.record["recovery"] = rec

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from tqdm import tqdm
 
+from goodput.resilience.accounting import sync_point
 from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
+from goodput.run.compiler import MODES
 from goodput.run.evaluate import default_top_k, evaluate
 from goodput.run.monitor import check_metric
 
@@ -168,6 +170,28 @@ class TrainerConfig:
     early_stopping_mode: str | None = None
     """`max` or `min` for early_stopping_by; null = from the name (min for a loss, else max)."""
 
+    compile: bool = False
+    """torch.compile the model (goodput.run.compiler): faster steps after a compile that costs seconds
+    (demo model, CPU) to minutes (large models), paid on the first step, the first evaluation and
+    each recompile; the ledger counts it as `compile`. Checkpoints are the same compiled or not."""
+
+    compile_mode: str = "default"
+    """torch.compile's mode: `default`, `reduce-overhead` (CUDA graphs: less launch overhead, more
+    memory), `max-autotune` (benchmarks kernels: much longer compile), `max-autotune-no-cudagraphs`."""
+
+    compile_dynamic: bool | None = False
+    """false: shapes are static (the batch is fixed; a new shape, e.g. a short last eval batch,
+    compiles once more); true: compile for dynamic shapes; null: torch decides after a change."""
+
+    compile_cache_dir: str = "${paths.staging_dir}/compile_cache"
+    """Node-local disk for the compile cache (inductor's cache dir and torch's portable cache
+    artifacts): a restart or relaunch on this node reuses it instead of compiling again."""
+
+    compile_cache_upload: bool = False
+    """Also keep the portable cache artifacts beside the checkpoints (`<checkpoint.dir>/compile_cache/`),
+    read by a relaunch on a node whose local cache is empty. Off by default: the cache is generated
+    code that runs when loaded, so this trusts whoever can write the checkpoint dir."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
@@ -212,6 +236,10 @@ class TrainerConfig:
             e.append(f"trainer.eval_on must be model|ema, got {self.eval_on!r}")
         elif self.eval_on == "ema" and self.ema_decay is None:
             e.append("trainer.eval_on=ema needs trainer.ema_decay (no EMA is kept without it)")
+        if self.compile_mode not in MODES:
+            e.append(f"trainer.compile_mode must be one of {list(MODES)}, got {self.compile_mode!r}")
+        if self.compile_dynamic not in (None, True, False):
+            e.append(f"trainer.compile_dynamic must be true|false|null, got {self.compile_dynamic!r}")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -278,6 +306,7 @@ def train(t) -> dict:
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
+    sync = sync_point(d.device)
     loss_val, val_acc, last_eval = float("nan"), None, None
     top_k = default_top_k(cfg["trainer"]["eval_top_k"], t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
@@ -291,12 +320,15 @@ def train(t) -> dict:
         y = batch["label"].to(d.device, non_blocking=True)
         loss = t.step(x, y, step)  # forward, backward, optimizer, EMA: goodput.run.step
         step += 1
+        sync()  # on CUDA: the step's kernels are done, so the clock reads what they took
+        compiling = t.compile_clock.take()  # seconds of this step that were torch.compile
         t2 = time.perf_counter()
 
         t.ledger.add("fetch", t1 - t0)
-        t.ledger.add("productive", t2 - t1)
+        t.ledger.add("compile", compiling)
+        t.ledger.add("productive", t2 - t1 - compiling)
         window["fetch"] += t1 - t0
-        window["step"] += t2 - t0
+        window["step"] += t2 - t0 - compiling  # perf/images_per_second: the step, not its compile
         window["images"] += len(y)
         window["n"] += 1
         t.faults.at_step(step)
@@ -324,7 +356,9 @@ def train(t) -> dict:
             last_eval = evaluate(
                 t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
             )
-            t.ledger.add("eval", time.perf_counter() - te)
+            compiling = t.compile_clock.take()  # a compiled model compiles again for inference
+            t.ledger.add("compile", compiling)
+            t.ledger.add("eval", time.perf_counter() - te - compiling)
             val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
             t.tracker.log(metrics, step)
             t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by

@@ -79,6 +79,9 @@ def _process_defaults(c: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
     torch.set_num_threads(c["trainer"]["num_threads"])
     if c["trainer"]["deterministic"]:
+        # cuBLAS is deterministic only with a fixed workspace, set before its first use; without
+        # it every matmul on CUDA raises under use_deterministic_algorithms. (CPU: unused.)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 
@@ -142,6 +145,7 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
         "resumed_from_steps": t.ledger.resumed_from,
         "goodput": goodput,
         "recovery": recovery_summary(t.attempts),
+        "compile": compile_summary(t.attempts),
         "mlflow_run_id": c["mlflow_run_id"],
         "mlflow_model_uri": model_uri,
         "checkpoint_dir": t.ckpt_store.url(),
@@ -169,6 +173,12 @@ def recovery_summary(attempts) -> dict:
     recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
     per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
     return {**summarize(per), "per_restart": per}
+
+
+def compile_summary(attempts) -> list[dict]:
+    """trainer.compile: what each start paid until its first step (cold or warm cache); [] if off."""
+    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
+    return [{"attempt": a["attempt"], **a["compile"]} for a in recs if "compile" in a]
 
 
 def fail_fast(e: BaseException, t: Trainer | None) -> None:

@@ -1,0 +1,199 @@
+"""torch.compile for the trained model: compile in place, time it, keep its cache across restarts.
+
+- `compile_model` compiles the module the parallel strategy returned, in place (`nn.Module.compile`):
+  the state-dict keys stay those of the plain module (no `_orig_mod.` prefix), so a checkpoint of a
+  compiled run resumes uncompiled and back. Under DDP that module is the wrapper, as torch asks
+  (DDPOptimizer splits the graph at the bucket boundaries); under FSDP2 the root, whose hooks dynamo
+  runs eagerly (`torch._dynamo.config.skip_fsdp_hooks`).
+- `CompileClock` tells the loop how many of the seconds it just timed were compiling (torch's own
+  accounting of dynamo + inductor, forward and the lazily compiled backward): the ledger's `compile`.
+- `CompileCache` keeps compiled code across restarts: inductor's cache directory on node-local disk
+  (what makes a restart on the same node warm: on CPU the C++ kernels are built there) and torch's
+  portable cache artifacts (`torch.compiler.save_cache_artifacts`) beside it, optionally uploaded
+  beside the checkpoints for a relaunch on a new node.
+
+A compile cache is code: inductor's entries are pickled graphs and generated Python/C++ that run when
+loaded. The local copy is as trusted as the node; an uploaded copy extends that trust to whoever can
+write the checkpoint dir, so it is off by default. A sha256 in a small header refuses a corrupt or
+truncated blob (and one from another torch version) with a warning; it cannot detect tampering.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Top-level entries of torch._dynamo.utils.compilation_time_metrics: a frame's compile (dynamo,
+# AOTAutograd, inductor's forward; recompiles too) and the backward graph, compiled on first use.
+TOP_LEVEL = ("_compile.compile_inner", "backward._backward_impl")
+MAGIC = b"goodput-compile-cache\n"
+ARTIFACTS = "artifacts.bin"  # torch's portable cache artifacts, in our envelope
+REMOTE = "compile_cache/artifacts.bin"  # beside the checkpoints, in the checkpoint storage
+
+
+def compile_model(model: nn.Module, mode: str, dynamic: bool | None) -> nn.Module:
+    """Compile `model` in place: its forward (and backward) compile on the first call."""
+    model.compile(mode=mode, dynamic=dynamic)
+    return model
+
+
+class CompileClock:
+    """Seconds torch spent compiling since the last `take()` (0.0 when nothing is compiled). After
+    a compile, `take()` saves the cache (`CompileCache`), so a kill right after still finds it."""
+
+    def __init__(self, enabled: bool, cache: CompileCache | None = None):
+        self.enabled, self.cache = enabled, cache
+        self.total = 0.0  # this process
+        self._seen = self._now() if enabled else 0.0
+
+    @staticmethod
+    def _now() -> float:
+        from torch._dynamo.utils import compilation_time_metrics as m
+
+        return sum(sum(m.get(k, ())) for k in TOP_LEVEL)
+
+    def take(self) -> float:
+        if not self.enabled:
+            return 0.0
+        now = self._now()
+        dt, self._seen = max(0.0, now - self._seen), now
+        if dt > 0 and self.cache is not None:
+            t0 = time.perf_counter()
+            self.cache.save()
+            dt += time.perf_counter() - t0  # part of what compiling cost
+        self.total += dt
+        return dt
+
+
+def cache_counters() -> dict:
+    """Hits and misses of inductor's graph cache and AOTAutograd's cache in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+        "autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
+        "autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+    }
+
+
+def wrap(payload: bytes) -> bytes:
+    head = {"torch": torch.__version__, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+    return MAGIC + json.dumps(head).encode() + b"\n" + payload
+
+
+def unwrap(blob: bytes, where: str) -> bytes | None:
+    """The payload of a blob `wrap` made, or None (with a warning naming `where` and why)."""
+    why = None
+    if not blob.startswith(MAGIC):
+        why = "not a goodput compile cache (no header)"
+    else:
+        line, _, payload = blob[len(MAGIC) :].partition(b"\n")
+        try:
+            head = json.loads(line)
+        except ValueError:
+            head = None
+        if not isinstance(head, dict):
+            why = "unreadable header"
+        elif head.get("torch") != torch.__version__:
+            why = f"written by torch {head.get('torch')}, this is {torch.__version__}"
+        elif head.get("size") != len(payload) or head.get("sha256") != hashlib.sha256(payload).hexdigest():
+            why = "checksum mismatch (corrupt or truncated)"
+    if why:
+        log.warning("ignoring the compile cache %s: %s; compiling from scratch", where, why)
+        return None
+    return payload
+
+
+def load_artifacts(payload: bytes):
+    """torch.compiler.load_cache_artifacts, keeping every batch. save_cache_artifacts appends one
+    (type, artifacts) batch per call to the bytes it returns (cumulative), but load's parser turns
+    the batches into a dict by type: only the last batch of each type is loaded, and a process that
+    saved after its first step and again after its first evaluation would hand a new node the
+    eval graphs only. So: parse with torch's own reader, merge the batches, populate as load does.
+    Falls back to the public call where those private names are gone."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:
+        return torch.compiler.load_cache_artifacts(payload)
+    try:
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        batches = AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache)
+    except Exception as e:  # torch's own checksum, a short or garbled payload
+        log.warning("torch cannot parse the compile cache artifacts: %s", e)
+        return None
+    merged: dict[str, list] = {}
+    for kind, artifacts in batches:
+        seen = {a.key for a in merged.setdefault(kind, [])}
+        merged[kind] += [a for a in artifacts if a.key not in seen]
+    return CacheArtifactManager.populate_caches(merged)
+
+
+class CompileCache:
+    """Inductor's cache dir and torch's portable artifacts under `local_dir` (node-local disk);
+    with `remote` (the checkpoint Storage), the artifacts are also uploaded there (rank 0)."""
+
+    def __init__(self, local_dir: str, remote=None, rank: int = 0, local_rank: int = 0):
+        self.local_dir, self.remote = os.path.abspath(local_dir), remote
+        self.rank, self.local_rank = rank, local_rank
+        self.loaded = 0  # artifacts handed to torch at start (0: cold)
+        self.source = None  # "local" | "remote" | None
+
+    def activate(self) -> None:
+        """Before anything compiles: point inductor at the node-local dir, load saved artifacts."""
+        os.makedirs(self.local_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.local_dir, "inductor")
+        for source, read in (("local", self._read_local), ("remote", self._read_remote)):
+            blob, where = read()
+            if blob is None:
+                continue
+            payload = unwrap(blob, where)
+            if payload is None:
+                continue
+            info = load_artifacts(payload)  # None (and torch's warning) if unreadable
+            if info is None:
+                log.warning("torch could not read the compile cache %s; compiling from scratch", where)
+                continue
+            self.loaded = sum(len(v) for v in info.artifacts.values())
+            self.source = source
+            log.info("compile cache: %d artifacts from %s", self.loaded, where)
+            return
+
+    def _read_local(self):
+        path = os.path.join(self.local_dir, ARTIFACTS)
+        try:
+            with open(path, "rb") as f:
+                return f.read(), path
+        except FileNotFoundError:
+            return None, path
+
+    def _read_remote(self):
+        if self.remote is None or not self.remote.exists(REMOTE):
+            return None, None
+        return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
+
+    def save(self) -> None:
+        """After a compile: everything compiled in this process so far (and what was loaded)."""
+        from goodput.storage import atomic_write
+
+        try:
+            out = torch.compiler.save_cache_artifacts()
+            if out is None:
+                return
+            blob = wrap(out[0])
+            if self.local_rank == 0:  # one writer per node: its ranks compile the same graphs
+                atomic_write(os.path.join(self.local_dir, ARTIFACTS), blob, durable=False)
+            if self.rank == 0 and self.remote is not None:
+                self.remote.write_bytes(REMOTE, blob)
+        except Exception as e:  # a cache is an optimisation: never stop training for it
+            log.warning("could not save the compile cache: %s", e)

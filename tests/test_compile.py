@@ -1,0 +1,218 @@
+"""trainer.compile: checkpoints the same compiled or not, compile time in its own ledger category, a
+compile cache that survives a kill (and refuses a corrupt one). In-process, except one drill."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+from conftest import run_train
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from goodput.checkpoint import AppState
+from goodput.model import SmallCNN
+from goodput.resilience.accounting import sync_point
+from goodput.run import compiler
+from goodput.run.compiler import CompileCache, CompileClock, compile_model
+from goodput.storage import Storage
+
+
+def _app(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return AppState(model, opt, 0), opt
+
+
+def _trained(seed: int, compiled: bool = False):
+    torch.manual_seed(seed)
+    m = SmallCNN(num_classes=10, width=8)
+    if compiled:  # lazy: nothing compiles until it is called
+        m = compile_model(m, "default", False)
+    app, opt = _app(m)
+    for p in m.parameters():  # momentum buffers exist only after a step
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return m, app
+
+
+def test_a_compiled_models_checkpoint_loads_uncompiled_and_back():
+    """Keys of the model and the optimizer state are those of the plain module (no `_orig_mod.`);
+    a compiled run's state loads into an uncompiled one and back, tensor for tensor."""
+    opts = StateDictOptions()
+    plain, plain_app = _trained(0)
+    comp, comp_app = _trained(1, compiled=True)
+    assert list(comp.state_dict()) == list(plain.state_dict())
+    sd_plain, sd_comp = plain_app.state_dict(opts), comp_app.state_dict(opts)
+    assert list(sd_comp["model"]) == list(sd_plain["model"])
+    assert list(sd_comp["optim"]["state"]) == list(sd_plain["optim"]["state"])
+    # each way: a fresh pair, the source's state (cloned) loaded into the other, compared tensor by tensor
+    for src_compiled in (True, False):
+        plain, plain_app = _trained(0)
+        comp, comp_app = _trained(1, compiled=True)
+        src, dst = (comp_app, plain_app) if src_compiled else (plain_app, comp_app)
+        saved = _clone(src.state_dict(opts))
+        dst.apply(_clone(saved), opts, step=1)
+        got = dst.state_dict(opts)
+        for part in ("model", "optim"):
+            flat_saved, flat_got = _flat(saved[part]), _flat(got[part])
+            assert flat_saved.keys() == flat_got.keys()
+            for k in flat_saved:
+                assert torch.equal(flat_saved[k], flat_got[k]), (src_compiled, part, k)
+
+
+def _clone(tree):
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree.clone() if torch.is_tensor(tree) else tree
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k2: v2 for k, v in tree.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
+    return {prefix: tree}
+
+
+def test_the_compile_clock_counts_torchs_compile_time_only(monkeypatch):
+    """The loop subtracts `take()` from the step it timed: it is the growth of torch's top-level
+    compile metrics (forward and backward), nothing else, and 0 when compile is off."""
+    from torch._dynamo import utils
+
+    metrics = {"_compile.compile_inner": [2.0], "backward._backward_impl": [], "compile_fx_inner": [9.0]}
+    monkeypatch.setattr(utils, "compilation_time_metrics", metrics)
+    clock = CompileClock(True)
+    assert clock.take() == 0.0
+    metrics["_compile.compile_inner"].append(1.5)  # a recompile
+    metrics["backward._backward_impl"].append(0.5)
+    metrics["compile_fx_inner"].append(7.0)  # nested inside the two above: not counted again
+    assert clock.take() == pytest.approx(2.0)
+    assert clock.take() == 0.0 and clock.total == pytest.approx(2.0)
+    assert CompileClock(False).take() == 0.0
+
+
+def test_sync_point_synchronizes_only_on_cuda():
+    assert sync_point(torch.device("cpu"))() is None
+    sync = sync_point(torch.device("cuda", 0))
+    assert sync.func is torch.cuda.synchronize and sync.args == (torch.device("cuda", 0),)
+
+
+class FakeTorchCache:
+    """torch's save of cache artifacts and our load, recorded (real artifacts need a compile)."""
+
+    def __init__(self, monkeypatch, payload=b"compiled code"):
+        self.payload, self.loaded = payload, []
+        monkeypatch.setattr(torch.compiler, "save_cache_artifacts", self.save)
+        monkeypatch.setattr(compiler, "load_artifacts", self.load)
+
+    def save(self):
+        return self.payload, None
+
+    def load(self, blob):
+        self.loaded.append(blob)
+        from torch.compiler._cache import CacheInfo
+
+        info = CacheInfo()
+        info.artifacts["inductor"].append("key")
+        return info
+
+
+def test_the_cache_survives_in_the_local_dir_and_beside_the_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")  # restored after the test
+    fake = FakeTorchCache(monkeypatch)
+    remote = Storage(str(tmp_path / "ckpt"))
+    first = CompileCache(str(tmp_path / "node1"), remote)
+    first.activate()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "node1" / "inductor")
+    assert first.loaded == 0 and fake.loaded == []  # cold
+    first.save()
+    again = CompileCache(str(tmp_path / "node1"), None)  # a restart on the same node
+    again.activate()
+    assert (again.loaded, again.source, fake.loaded) == (1, "local", [b"compiled code"])
+    elsewhere = CompileCache(str(tmp_path / "node2"), remote)  # a relaunch on a new node
+    elsewhere.activate()
+    assert (elsewhere.source, len(fake.loaded)) == ("remote", 2)
+    assert CompileCache(str(tmp_path / "node3"), None).loaded == 0  # upload off: nothing to read
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (lambda b: b"\x00" * 40, "no header"),
+        (lambda b: b[:-3], "checksum mismatch"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum mismatch"),
+        (lambda b: b.replace(torch.__version__.encode(), b"0.0.1"), "written by torch 0.0.1"),
+    ],
+)
+def test_a_damaged_cache_is_refused_with_a_warning(tmp_path, monkeypatch, caplog, damage, why):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    fake = FakeTorchCache(monkeypatch)
+    CompileCache(str(tmp_path)).save()
+    path = tmp_path / compiler.ARTIFACTS
+    path.write_bytes(damage(path.read_bytes()))
+    cache = CompileCache(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        cache.activate()
+    assert cache.loaded == 0 and fake.loaded == []  # never handed to torch
+    assert why in caplog.text and str(path) in caplog.text
+
+
+def test_a_blob_torch_cannot_read_is_ignored(tmp_path, monkeypatch, caplog):
+    """Our envelope is intact, its payload is not torch's format: torch returns None (it checks its
+    own checksum and logs), the cache counts as cold, training goes on."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    (tmp_path / compiler.ARTIFACTS).write_bytes(compiler.wrap(b"not torch's format"))
+    cache = CompileCache(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        cache.activate()
+    assert cache.loaded == 0 and "torch could not read" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_compiled_run_killed_and_relaunched_reads_its_cache(tmp_path):
+    """Kill at step 6 (commit at 4), relaunch: the uninterrupted compiled model, and the second
+    start compiled from its cache (inductor hits, no misses, artifacts loaded) in a fraction of the
+    first start's compile. The reference shares the compile cache (warm: a compile is ~30 s here)."""
+    cache = f"trainer.compile_cache_dir={tmp_path / 'compile_cache'}"
+    # global batch 8: the 40 val images make 5 equal batches, one inference graph to compile
+    args = ("trainer.compile=true", cache, "checkpoint=dcp_sync", "trainer.global_batch_size=8")
+    p, _ = run_train(tmp_path / "a", *args, "fault.kill_at_step=6", expect_rc=-9, timeout=600)
+    _, s = run_train(tmp_path / "a", *args, "fault.kill_at_step=6", timeout=600)
+    _, ref = run_train(tmp_path / "ref", *args, timeout=600)
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
+    cold, warm = s["compile"]
+    assert cold["attempt"] == 0 and cold["cache_artifacts_loaded"] == 0
+    assert cold["fxgraph_cache_miss"] > 0 and cold["fxgraph_cache_hit"] == 0
+    assert warm["attempt"] == 1 and warm["cache_artifacts_loaded"] > 0 and warm["cache_source"] == "local"
+    assert warm["fxgraph_cache_miss"] == 0 and warm["fxgraph_cache_hit"] > 0
+    assert warm["first_step_seconds"] < 0.5 * cold["first_step_seconds"], (cold, warm)
+    assert s["recovery"]["per_restart"][0]["compile_seconds"] == warm["first_step_seconds"]
+    g = s["goodput"]
+    assert g["compile_seconds"] >= cold["first_step_seconds"] > g["productive_seconds"]
+    print(f"cold {cold['first_step_seconds']}, warm {warm['first_step_seconds']}", file=sys.stderr)
+
+
+def _artifact_payload(batches) -> bytes:
+    """Bytes as save_cache_artifacts makes them after one save per batch (cumulative)."""
+    from torch.compiler._cache import CacheArtifactFactory, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    ser = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    for keys in batches:
+        ser.extend(
+            [("inductor", [CacheArtifactFactory.create("inductor", k, b"graph " + k.encode()) for k in keys])]
+        )
+    return ser.to_bytes()
+
+
+def test_every_saved_batch_is_loaded(tmp_path, monkeypatch):
+    """Two compiles in one process (the first step, the first evaluation) save twice: the bytes hold
+    two batches, and a new node must get both (torch's own load keeps only the last)."""
+    import torch._inductor.codecache  # noqa: F401  (registers the inductor artifact type)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    payload = _artifact_payload([["ftrainfwd", "ftrainbwd"], ["fevalfwd"]])
+    info = compiler.load_artifacts(payload)
+    assert sorted(info.artifacts["inductor"]) == ["fevalfwd", "ftrainbwd", "ftrainfwd"]
+    for key in ("ftrainfwd", "fevalfwd"):  # written where inductor's graph cache looks them up
+        assert list((tmp_path / "inductor").rglob(f"*{key}*")), key
