@@ -4,8 +4,8 @@ schedule and the data position, read back from disk.
 
 Few runs on purpose (each is a process start): the switches are on together, and one chain of
 runs covers a kill between micro-steps on 2-rank DDP, its resume, a resume of the same checkpoint
-on one process with the same global batch (accumulating twice as many micro-batches), and a kill
-at a step on one process."""
+on one process with the same global batch (accumulating twice as many micro-batches), a kill at a
+step on one process and its resume."""
 
 from __future__ import annotations
 
@@ -95,22 +95,25 @@ def test_all_switches_kill_between_micro_steps_ddp_then_one_process(tmp_path):
     # rank 0 dies between the two micro-batches of step 7; step 6 is the newest commit
     run_train(a, "parallel=ddp", *ALL_ON, "fault.kill_in_step=7", expect_rc=None)
     assert fired(a) == ["kill_in_step-7.fired"]
-    b, c = tmp_path / "b", tmp_path / "c"
-    shutil.copytree(a, b, symlinks=True)
-    shutil.copytree(a, c, symlinks=True)
+    b, c, d = tmp_path / "b", tmp_path / "c", tmp_path / "d"
+    for copy in (b, c, d):
+        shutil.copytree(a, copy, symlinks=True)
 
     _, s = run_train(a, "parallel=ddp", *ALL_ON, "fault.kill_in_step=7")
     assert s["resumed_from_steps"] == [6]
     assert state_gap(checkpoint_state(a), want, same_world=True) == 0.0  # bit-identical
 
-    # The same checkpoint on one process, global batch 16 kept (4 micro-batches of 4), killed at
-    # step 9 (after its own commit of step 8) and relaunched once more.
+    # The same checkpoint on one process, global batch 16 kept (4 micro-batches of 4): to the end
+    # (d), and killed at step 9, after its own commit of step 8, then relaunched once more (b).
+    _, s = run_train(d, "parallel=single", *ALL_ON)
+    assert s["resumed_from_steps"] == [6]
+    gap = state_gap(checkpoint_state(d), want, same_world=False)
+    print(f"ddp 2 ranks -> 1 process with accumulation: largest relative state difference {gap:.2e}")
+    assert gap < STATE_RTOL, gap
     run_train(b, "parallel=single", *ALL_ON, "fault.kill_at_step=9", expect_rc=-9)
     _, s = run_train(b, "parallel=single", *ALL_ON, "fault.kill_at_step=9")
     assert s["resumed_from_steps"] == [6, 8] and fired(b) == ["kill_at_step-9.fired", "kill_in_step-7.fired"]
-    gap = state_gap(checkpoint_state(b), want, same_world=False)
-    print(f"ddp 2 ranks -> 1 process with accumulation: largest relative state difference {gap:.2e}")
-    assert gap < STATE_RTOL, gap
+    assert state_gap(checkpoint_state(b), checkpoint_state(d), same_world=True) == 0.0  # bit-identical
 
     # Negative control: the same 2 -> 1 resume, with the weights re-initialised after the restore.
     script = tmp_path / "forget_weights.py"
