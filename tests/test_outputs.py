@@ -168,6 +168,16 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
     tags = mlflow.get_logged_model(ref["mlflow_model_uri"].rsplit("/", 1)[-1]).tags
     assert tags["checkpoint_step"] == str(ref["best_step"]) and tags["model_sha256"] == model_sha256(best)
 
+    # what each evaluation logged, and the final evaluation's files
+    client = mlflow.MlflowClient()
+    history = client.get_metric_history(ref["mlflow_run_id"], "val/top5")
+    assert [m.step for m in history] == list(range(2, ref["steps"] + 1, 2))  # every evaluation
+    metrics = client.get_run(ref["mlflow_run_id"]).data.metrics
+    assert {"val/loss", "val/accuracy", "val/top5", "val/class/disc"} <= set(metrics)
+    assert metrics["val/top5"] == ref["val"]["val/top5"] >= ref["val"]["val/accuracy"]
+    arts = {a.path for a in client.list_artifacts(ref["mlflow_run_id"], "evaluation")}
+    assert arts == {"evaluation/confusion_matrix.png", "evaluation/per_class.csv"}
+
     kill_at = ref["steps"] - 3  # after at least one commit, before the stop
     fast = "mlflow.log_model=none"  # the logged model is checked above
     run_train(tmp_path / "kill", *cfg, fast, f"fault.kill_at_step={kill_at}", expect_rc=-9)
