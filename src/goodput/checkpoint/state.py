@@ -136,11 +136,16 @@ class AppState:
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self.parts: dict[str, Stateful] = {}  # global: identical on every rank
         self.rank_parts: dict[str, Stateful] = {}  # per rank
+        self.optional: set[str] = set()  # global parts a checkpoint may lack (they then start fresh)
 
-    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+    def register(self, name: str, part: Stateful, per_rank: bool = False, optional: bool = False) -> None:
+        """`optional`: a part switched on by a setting (keep_best_by, early stopping) that a run may
+        turn on after its checkpoints were made: a checkpoint without it still loads."""
         if name == PARAM_GROUPS:
             raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
+        if optional and not per_rank:
+            self.optional.add(name)
 
     def state_dict(self, options: StateDictOptions) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
@@ -157,13 +162,15 @@ class AppState:
         _tensors_only(sd, "")
         return sd
 
-    def template(self, options: StateDictOptions, saved_world: int) -> dict:
-        """What to load into: live model/optim tensors; None where sizes come from the checkpoint."""
+    def template(self, options: StateDictOptions, saved_world: int, saved_parts: list | None = None) -> dict:
+        """What to load into: live model/optim tensors; None where sizes come from the checkpoint.
+        `saved_parts`: the global parts the commit record lists (an optional part it lacks is left out)."""
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
+        parts = [k for k in self.parts if k not in self.optional or k in (saved_parts or ())]
         sd = {
             "model": msd,
             "optim": {"state": osd.get("state", {})},
-            "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
+            "extra": dict.fromkeys([PARAM_GROUPS, *parts]),
         }
         if self.rank < saved_world:
             sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
@@ -180,6 +187,9 @@ class AppState:
             options=options,
         )
         for k, p in self.parts.items():
+            if k in self.optional and sd["extra"].get(k) is None:
+                log.info("the checkpoint of step %d has no %s state: it starts fresh", step, k)
+                continue
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")
         for k, p in self.rank_parts.items():
