@@ -53,6 +53,35 @@ def test_best_commit_survives_retention_and_restore(tmp_path, dist1):  # noqa: F
     mgr2.close()
 
 
+@pytest.mark.parametrize("backend", ["torch_save", "dcp_sync"])
+def test_keep_best_turned_on_later_resumes_the_older_checkpoint(tmp_path, dist1, backend):  # noqa: F811
+    """A checkpoint made with keep_best_by off still loads once it is on (the best starts fresh);
+    without the optional part the restore failed and the run would have started over."""
+    mgr = manager(tmp_path, backend, dist1)
+    app, *_ = make_app(1)
+    mgr.save(3, app)
+    mgr.wait()
+    assert mgr.committed()[0]["parts"] == ["counter", "scheduler"]
+    mgr2 = manager(tmp_path, backend, dist1, keep_best_by="val/loss")
+    app2, *_ = make_app(2)
+    app2.register("best", mgr2.best, optional=True)
+    rec, skipped = mgr2.restore(app2, mgr2.committed())
+    assert rec is not None and rec["step"] == 3 and skipped == []
+    assert model_sha256(app2.model) == model_sha256(app.model) and mgr2.best.step is None
+    mgr2.observe({"val/loss": 0.5}, 4)
+    mgr2.save(4, app2)
+    mgr2.wait()
+    mgr3 = manager(tmp_path, backend, dist1, keep_best_by="val/loss")
+    app3, *_ = make_app(3)
+    app3.register("best", mgr3.best, optional=True)
+    assert mgr3.restore(app3, mgr3.committed())[0]["step"] == 4 and (mgr3.best.step, mgr3.best.value) == (
+        4,
+        0.5,
+    )
+    for m in (mgr, mgr2, mgr3):
+        m.close()
+
+
 def test_min_mode_and_bad_best_records(tmp_path):
     b = Best("val/loss", None)
     assert b.mode == "min"
@@ -63,8 +92,8 @@ def test_min_mode_and_bad_best_records(tmp_path):
     with pytest.raises(KeyError, match="val/loss"):
         b.observe({"val/accuracy": 1.0}, 5)
     rec = {"step": 3, "format": "dcp", "world_size": 1, "checksum": "xxh3_128", "files": {"a": {}}}
-    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}):
-        with pytest.raises(CommitError, match="best|stop_reason"):
+    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}, {"parts": "best"}):
+        with pytest.raises(CommitError, match="best|stop_reason|parts"):
             parse_commit(json.dumps({**rec, **bad}).encode(), "step-000000003")
 
 
@@ -167,6 +196,16 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
         assert torch.equal(logged(x), best(x))
     tags = mlflow.get_logged_model(ref["mlflow_model_uri"].rsplit("/", 1)[-1]).tags
     assert tags["checkpoint_step"] == str(ref["best_step"]) and tags["model_sha256"] == model_sha256(best)
+
+    # what each evaluation logged, and the final evaluation's files
+    client = mlflow.MlflowClient()
+    history = client.get_metric_history(ref["mlflow_run_id"], "val/top5")
+    assert [m.step for m in history] == list(range(2, ref["steps"] + 1, 2))  # every evaluation
+    metrics = client.get_run(ref["mlflow_run_id"]).data.metrics
+    assert {"val/loss", "val/accuracy", "val/top5", "val/class/disc"} <= set(metrics)
+    assert metrics["val/top5"] == ref["val"]["val/top5"] >= ref["val"]["val/accuracy"]
+    arts = {a.path for a in client.list_artifacts(ref["mlflow_run_id"], "evaluation")}
+    assert arts == {"evaluation/confusion_matrix.png", "evaluation/per_class.csv"}
 
     kill_at = ref["steps"] - 3  # after at least one commit, before the stop
     fast = "mlflow.log_model=none"  # the logged model is checked above

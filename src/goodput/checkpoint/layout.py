@@ -111,6 +111,9 @@ def parse_commit(data: bytes, rel: str) -> dict:
         isinstance(best, dict) and isinstance(best.get("step"), int) and not isinstance(best["step"], bool)
     ):
         raise CommitError(f"bad best record {best!r}")
+    parts = rec.get("parts")  # AppState's global parts (a restore leaves out an optional one not here)
+    if parts is not None and not (isinstance(parts, list) and all(isinstance(x, str) for x in parts)):
+        raise CommitError(f"bad parts list {parts!r}")
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
     rec["files"] = check_files(rec.get("files"))

@@ -153,6 +153,7 @@ class CheckpointManager:
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
         info = {**self.commit_info, **(extra or {}), "time": time.time(), "torch": torch.__version__}
+        info["parts"] = sorted(app.parts)  # what a restore may ask for (AppState's optional parts)
         if self.best.by is not None:
             info["best"] = self.best.describe()
             if self.best.last is not None and self.best.last[0] == step:
@@ -531,7 +532,7 @@ class CheckpointManager:
             if not self._agree(err is None):
                 fail(rec, err)
                 continue
-            template = app.template(reader.options, rec["world_size"])
+            template = app.template(reader.options, rec["world_size"], rec.get("parts"))
             try:
                 sd = reader.prepare_load(template, local)
             except Exception as e:

@@ -141,11 +141,16 @@ class AppState:
         self.parts: dict[str, Stateful] = {}  # global: identical on every rank
         self.rank_parts: dict[str, Stateful] = {}  # per rank
         self.modules: dict[str, torch.nn.Module] = {}  # tensor groups beside the model (EMA)
+        self.optional: set[str] = set()  # global parts a checkpoint may lack (they then start fresh)
 
-    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+    def register(self, name: str, part: Stateful, per_rank: bool = False, optional: bool = False) -> None:
+        """`optional`: a part switched on by a setting (keep_best_by, early stopping) that a run may
+        turn on after its checkpoints were made: a checkpoint without it still loads."""
         if name == PARAM_GROUPS:
             raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
+        if optional and not per_rank:
+            self.optional.add(name)
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
         """A module whose tensors are saved as group `name`, like the model's (sharded under FSDP,
@@ -173,14 +178,16 @@ class AppState:
         _tensors_only(sd, "")
         return sd
 
-    def template(self, options: StateDictOptions, saved_world: int) -> dict:
-        """What to load into: live model/optim tensors; None where sizes come from the checkpoint."""
+    def template(self, options: StateDictOptions, saved_world: int, saved_parts: list | None = None) -> dict:
+        """What to load into: live model/optim tensors; None where sizes come from the checkpoint.
+        `saved_parts`: the global parts the commit record lists (an optional part it lacks is left out)."""
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
+        parts = [k for k in self.parts if k not in self.optional or k in (saved_parts or ())]
         sd = {
             "model": msd,
             "optim": {"state": osd.get("state", {})},
             **self._module_sds(options),
-            "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
+            "extra": dict.fromkeys([PARAM_GROUPS, *parts]),
         }
         if self.rank < saved_world:
             sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
@@ -202,6 +209,9 @@ class AppState:
             else:  # the EMA's first update then copies the restored weights, as at a fresh start
                 log.warning("the checkpoint has no %r: it starts from this run's initial state", k)
         for k, p in self.parts.items():
+            if k in self.optional and sd["extra"].get(k) is None:
+                log.info("the checkpoint of step %d has no %s state: it starts fresh", step, k)
+                continue
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")
         for k, p in self.rank_parts.items():

@@ -114,8 +114,13 @@ class Trainer:
             tr["early_stopping_patience"], tr["early_stopping_by"], tr["early_stopping_min_delta"],
             tr["early_stopping_mode"],
         )  # fmt: skip
-        self.app.register("best", self.ckpt.best)  # the best so far and the early-stopping counter
-        self.app.register("early_stopping", self.early_stopping)  # resume with the run
+        # The best so far and the early-stopping counter resume with the run. Saved only when on, so
+        # a run that uses neither keeps the checkpoint layout (and resumes checkpoints) it had before.
+        # Turned on later in a run, they start fresh from the resumed step.
+        if self.ckpt.best.by is not None:
+            self.app.register("best", self.ckpt.best, optional=True)
+        if self.early_stopping.patience is not None:
+            self.app.register("early_stopping", self.early_stopping, optional=True)
         f = c["fault"]
         self.faults = Faults(
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
