@@ -107,6 +107,9 @@ class RNGState:
 
 
 PARAM_GROUPS = "param_groups"
+# A global part's template value when a checkpoint may lack it (goodput.checkpoint.backends skips it
+# then): one written by an older goodput, before the part existed.
+OPTIONAL = "optional"
 
 
 def _tensors_only(tree, path: str) -> None:
@@ -141,11 +144,16 @@ class AppState:
         self.parts: dict[str, Stateful] = {}  # global: identical on every rank
         self.rank_parts: dict[str, Stateful] = {}  # per rank
         self.modules: dict[str, torch.nn.Module] = {}  # tensor groups beside the model (EMA)
+        self.optional: dict[str, str] = {}  # global part -> what resuming without it means
 
-    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+    def register(self, name: str, part: Stateful, per_rank: bool = False, missing: str | None = None) -> None:
+        """`missing`: the part may be absent from a checkpoint (one written before the part existed);
+        the text says what resuming without it means, and is logged as a warning. None: required."""
         if name == PARAM_GROUPS:
             raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
+        if missing is not None and not per_rank:
+            self.optional[name] = missing
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
         """A module whose tensors are saved as group `name`, like the model's (sharded under FSDP,
@@ -180,7 +188,7 @@ class AppState:
             "model": msd,
             "optim": {"state": osd.get("state", {})},
             **self._module_sds(options),
-            "extra": dict.fromkeys([PARAM_GROUPS, *self.parts]),
+            "extra": {k: OPTIONAL if k in self.optional else None for k in [PARAM_GROUPS, *self.parts]},
         }
         if self.rank < saved_world:
             sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
@@ -202,6 +210,11 @@ class AppState:
             else:  # the EMA's first update then copies the restored weights, as at a fresh start
                 log.warning("the checkpoint has no %r: it starts from this run's initial state", k)
         for k, p in self.parts.items():
+            if k not in sd["extra"] and k in self.optional:  # an older checkpoint: the part is new
+                log.warning("the checkpoint has no %r (written before it existed): %s", k, self.optional[k])
+                continue
+            if k not in sd["extra"]:
+                raise KeyError(f"the checkpoint has no entry extra.{k}")
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")
         for k, p in self.rank_parts.items():

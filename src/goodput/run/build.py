@@ -114,8 +114,12 @@ class Trainer:
             tr["early_stopping_patience"], tr["early_stopping_by"], tr["early_stopping_min_delta"],
             tr["early_stopping_mode"],
         )  # fmt: skip
-        self.app.register("best", self.ckpt.best)  # the best so far and the early-stopping counter
-        self.app.register("early_stopping", self.early_stopping)  # resume with the run
+        # The best so far and the early-stopping counter resume with the run. Optional, like the
+        # step's state below: a checkpoint of a goodput from before they existed lacks them.
+        self.app.register("best", self.ckpt.best, missing="checkpoint.keep_best_by's best so far starts over")
+        self.app.register(
+            "early_stopping", self.early_stopping, missing="the early-stopping counter starts from zero"
+        )
         f = c["fault"]
         self.faults = Faults(
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
@@ -125,7 +129,10 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
         )  # fmt: skip
-        self.app.register("step", self.step)
+        self.app.register(
+            "step", self.step,
+            missing="no gradient-scaler state (the run had none): precision=16-mixed starts a fresh scale",
+        )  # fmt: skip
         if ema is not None:
             self.app.register_module("ema", ema)
         self.eval_on = tr["eval_on"]
