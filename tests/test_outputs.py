@@ -287,3 +287,34 @@ def test_eval_on_ema_exports_and_logs_the_ema_weights(tmp_path, dist1, backend):
         model_state(mgr2.storage, mgr2.committed()[0], "ema")
     mgr.close()
     mgr2.close()
+
+
+def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
+    """keep_best_by / early_stopping_by = val/top<k> must be the top-k evaluation logs; else the run
+    trained up to its first evaluation and died there on a KeyError."""
+    import re
+
+    from omegaconf import OmegaConf
+    from test_config import _compose
+
+    from goodput.config import ConfigError, monitors_logged, validate
+
+    c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)
+    for change, message in [
+        ({"checkpoint": {"keep_best_by": "val/top3"}}, "checkpoint.keep_best_by=val/top3 is never logged"),
+        ({"checkpoint": {"keep_best_by": "val/top3"}, "trainer": {"eval_top_k": 3}}, None),
+        ({"checkpoint": {"keep_best_by": "val/top5"}}, None),
+        ({"trainer": {"early_stopping_patience": 2, "early_stopping_by": "val/top2",
+                      "eval_every_n_steps": 5}}, "trainer.early_stopping_by=val/top2 is never logged"),
+        ({"trainer": {"early_stopping_by": "val/top2"}}, None),  # early stopping off: not watched
+    ]:  # fmt: skip
+        bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
+        if message is None:
+            validate(bad)
+            continue
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(bad)
+    # once the data is listed (build.Trainer): 4 classes log no top-k unless eval_top_k asks for one
+    c["checkpoint"]["keep_best_by"] = "val/top5"
+    assert "with 4 classes no top-k is logged" in monitors_logged(c, num_classes=4)[0]
+    assert monitors_logged(c, num_classes=10) == []

@@ -16,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.config import ConfigError, monitors_logged
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.parallel import STRATEGIES
 from goodput.resilience.accounting import Attempts, Ledger
@@ -83,6 +84,10 @@ class Trainer:
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
             )
         self.recovery.mark("data_listed")
+
+        wrong = monitors_logged(c, self.loader.num_classes)
+        if wrong:  # now, not at the first evaluation after training up to it
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
 
         opts = StepOptions(**{k: tr[k] for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
