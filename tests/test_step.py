@@ -226,6 +226,13 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
         ({"trainer": {"clip_grad_norm": -1.0}}, "trainer.clip_grad_norm must be > 0 or null"),
         ({"trainer": {"ema_decay": 1.0}}, "trainer.ema_decay must be in (0, 1) or null"),
         ({"trainer": {"eval_on": "ema"}}, "trainer.eval_on=ema needs trainer.ema_decay"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 12}},  # smoke: max_steps 12
+         "the EMA's first update would be at step 13"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 10, "ema_every_n_steps": 5}},
+         "the EMA's first update would be at step 15"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 8, "ema_every_n_steps": 5}},
+         None),  # first update at 10
+        ({"trainer": {"ema_decay": 0.9, "ema_start_step": 12}}, None),  # eval_on=model: EMA a by-product
         ({"trainer": {"channels_last": True}, "parallel": {"strategy": "fsdp", "nproc_per_node": 2}},
          "trainer.channels_last=true with parallel=fsdp"),
     ]:  # fmt: skip
