@@ -13,6 +13,8 @@ loaded, so they fail the check only when named directly.
 --export writes the model's full state dict (DCP shards of any world size gathered) as safetensors:
 tensors only, loadable without unpickling anything (safetensors.torch.load_file), the step, backend
 and world size in its metadata. Load it into the model class the run used (`model.load_state_dict`).
+`--weights ema` exports the EMA of the weights instead (a run with trainer.ema_decay; the weights
+trainer.eval_on=ema evaluated and logged to MLflow).
 """
 
 import argparse
@@ -74,15 +76,19 @@ def verify(store: Storage, name: str) -> list[str]:
     return problems
 
 
-def export(store: Storage, row: dict, out: str) -> None:
+def export(store: Storage, row: dict, out: str, weights: str = "model") -> None:
     rec = row["record"]
     try:
-        model = model_state(store, rec)
+        model = model_state(store, rec, weights)
     except ExportError as e:
         sys.exit(f"{e}: not exporting")
-    meta = {"step": str(row["step"]), "backend": str(row["backend"]), "world_size": str(row["world_size"])}
+    meta = {"step": str(row["step"]), "backend": str(row["backend"]), "world_size": str(row["world_size"]),
+            "weights": weights}  # fmt: skip
     save_safetensors(model, out, meta)
-    print(f"wrote {len(model)} tensors of step {row['step']} ({row['backend']}) to {out} (safetensors)")
+    print(
+        f"wrote {len(model)} {weights} tensors of step {row['step']} ({row['backend']}) "
+        f"to {out} (safetensors)"
+    )
 
 
 def main() -> None:
@@ -93,6 +99,10 @@ def main() -> None:
         "--export", metavar="FILE.safetensors", help="write a committed checkpoint's model as safetensors"
     )
     p.add_argument("--step", type=int, help="which step to export (default: the newest committed)")
+    p.add_argument(
+        "--weights", choices=["model", "ema"], default="model",
+        help="the trained weights or their EMA (trainer.ema_decay: what trainer.eval_on=ema evaluates)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.export and not a.export.endswith(".safetensors"):
@@ -145,7 +155,7 @@ def main() -> None:
         ok = [r for r in rows if r["status"] == "committed" and (a.step is None or r["step"] == a.step)]
         if not ok:
             p.error(f"no committed checkpoint{'' if a.step is None else f' at step {a.step}'} in {a.dir}")
-        export(store, ok[-1], a.export)
+        export(store, ok[-1], a.export, a.weights)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,7 @@ def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):
     c = _config(tmp_path, [
         "checkpoint=dcp_sync", "checkpoint.every_n_steps=7", "checkpoint.every_n_minutes=30",
         "checkpoint.keep_last=4", "checkpoint.on_error=continue", "checkpoint.commit_timeout_s=12",
+        "checkpoint.keep_best_by=val/accuracy", "checkpoint.keep_best_mode=min",
     ])  # fmt: skip
     mgr = build.checkpoint_manager(c)
     for f in dataclasses.fields(CheckpointConfig):

@@ -216,3 +216,21 @@ def test_every_saved_batch_is_loaded(tmp_path, monkeypatch):
     assert sorted(info.artifacts["inductor"]) == ["fevalfwd", "ftrainbwd", "ftrainfwd"]
     for key in ("ftrainfwd", "fevalfwd"):  # written where inductor's graph cache looks them up
         assert list((tmp_path / "inductor").rglob(f"*{key}*")), key
+
+
+def test_a_linked_cache_is_refused_locally_and_beside_the_checkpoints(tmp_path, monkeypatch, caplog):
+    """The cache is code that runs when loaded: a symbolic link in its place (to another run's blob,
+    say) is not what this run saved, on the node or in the checkpoint dir."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    fake = FakeTorchCache(monkeypatch)
+    CompileCache(str(tmp_path / "elsewhere")).save()  # a valid blob, not this run's
+    blob = tmp_path / "elsewhere" / compiler.ARTIFACTS
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / compiler.ARTIFACTS).symlink_to(blob)
+    (tmp_path / "ckpt" / "compile_cache").mkdir(parents=True)
+    (tmp_path / "ckpt" / compiler.REMOTE).symlink_to(blob)
+    cache = CompileCache(str(tmp_path / "node"), Storage(str(tmp_path / "ckpt")))
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        cache.activate()
+    assert (cache.loaded, cache.source, fake.loaded) == (0, None, [])
+    assert caplog.text.count("not a regular file") == 2

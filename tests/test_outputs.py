@@ -64,7 +64,7 @@ def test_keep_best_turned_on_later_resumes_the_older_checkpoint(tmp_path, dist1,
     assert mgr.committed()[0]["parts"] == ["counter", "scheduler"]
     mgr2 = manager(tmp_path, backend, dist1, keep_best_by="val/loss")
     app2, *_ = make_app(2)
-    app2.register("best", mgr2.best, optional=True)
+    app2.register("best", mgr2.best, missing="the best so far starts over")
     rec, skipped = mgr2.restore(app2, mgr2.committed())
     assert rec is not None and rec["step"] == 3 and skipped == []
     assert model_sha256(app2.model) == model_sha256(app.model) and mgr2.best.step is None
@@ -73,7 +73,7 @@ def test_keep_best_turned_on_later_resumes_the_older_checkpoint(tmp_path, dist1,
     mgr2.wait()
     mgr3 = manager(tmp_path, backend, dist1, keep_best_by="val/loss")
     app3, *_ = make_app(3)
-    app3.register("best", mgr3.best, optional=True)
+    app3.register("best", mgr3.best, missing="the best so far starts over")
     assert mgr3.restore(app3, mgr3.committed())[0]["step"] == 4 and (mgr3.best.step, mgr3.best.value) == (
         4,
         0.5,
@@ -273,3 +273,87 @@ def test_hparams_search_runs_three_trials_under_one_parent_run(tmp_path):
     assert len({r.data.params["optim.optimizer.lr"] for r in trials}) == 3  # Optuna asked 3 points
     values = [m.value for m in client.get_metric_history(parent.info.run_id, "trial_value")]
     assert sorted(values) == sorted(s["val"]["val/accuracy"] for s in summaries)
+
+
+@pytest.mark.parametrize("backend", ["torch_save", "dcp_sync"])
+def test_eval_on_ema_exports_and_logs_the_ema_weights(tmp_path, dist1, backend):  # noqa: F811
+    """trainer.eval_on=ema evaluates the EMA: the exported and the logged model must be the EMA too."""
+    import mlflow
+    import mlflow.pytorch
+
+    from goodput import publish
+    from goodput.checkpoint.export import ExportError, model_state
+    from goodput.run.step import make_ema
+
+    mgr = manager(tmp_path, backend, dist1)
+    app, *_ = make_app(3)
+    ema = make_ema(app.model, 0.5)
+    with torch.no_grad():  # the EMA a few updates behind: its weights differ from the model's
+        for p in app.model.parameters():
+            p.add_(1.0)
+    ema.update_parameters(app.model)  # the first update copies
+    with torch.no_grad():
+        for p in app.model.parameters():
+            p.add_(1.0)
+    ema.update_parameters(app.model)
+    app.register_module("ema", ema)
+    mgr.save(5, app)
+    mgr.wait()
+    rec = mgr.committed()[0]
+    got = model_state(mgr.storage, rec, "ema")
+    want = ema.module.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert model_sha256(ema.module) != model_sha256(app.model)
+
+    if backend == "dcp_sync":  # (logging to MLflow takes seconds: one backend is enough for it)
+        x = torch.randn(4, 3, 16, 16)
+        c = _mlflow_run(tmp_path, "ema", str(tmp_path / "artifacts"))
+        c["trainer"] = {"eval_on": "ema"}
+        uri = publish.log_model(c, mgr, x[:2], num_classes=4)
+        assert uri is not None
+        mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+        loaded = mlflow.pytorch.load_model(uri)
+        ema.module.eval()
+        with torch.no_grad():
+            assert torch.equal(loaded(x), ema.module(x))
+        tags = mlflow.get_logged_model(uri.rsplit("/", 1)[-1]).tags
+        assert tags["model_sha256"] == model_sha256(ema.module) and tags["eval_on"] == "ema"
+
+    mgr2 = manager(tmp_path / "no-ema", backend, dist1)  # a run without the EMA: said, not a KeyError
+    mgr2.save(1, make_app(4)[0])
+    mgr2.wait()
+    with pytest.raises(ExportError, match="trainer.ema_decay"):
+        model_state(mgr2.storage, mgr2.committed()[0], "ema")
+    mgr.close()
+    mgr2.close()
+
+
+def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
+    """keep_best_by / early_stopping_by = val/top<k> must be the top-k evaluation logs; else the run
+    trained up to its first evaluation and died there on a KeyError."""
+    import re
+
+    from omegaconf import OmegaConf
+    from test_config import _compose
+
+    from goodput.config import ConfigError, monitors_logged, validate
+
+    c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)
+    for change, message in [
+        ({"checkpoint": {"keep_best_by": "val/top3"}}, "checkpoint.keep_best_by=val/top3 is never logged"),
+        ({"checkpoint": {"keep_best_by": "val/top3"}, "trainer": {"eval_top_k": 3}}, None),
+        ({"checkpoint": {"keep_best_by": "val/top5"}}, None),
+        ({"trainer": {"early_stopping_patience": 2, "early_stopping_by": "val/top2",
+                      "eval_every_n_steps": 5}}, "trainer.early_stopping_by=val/top2 is never logged"),
+        ({"trainer": {"early_stopping_by": "val/top2"}}, None),  # early stopping off: not watched
+    ]:  # fmt: skip
+        bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
+        if message is None:
+            validate(bad)
+            continue
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(bad)
+    # once the data is listed (build.Trainer): 4 classes log no top-k unless eval_top_k asks for one
+    c["checkpoint"]["keep_best_by"] = "val/top5"
+    assert "with 4 classes no top-k is logged" in monitors_logged(c, num_classes=4)[0]
+    assert monitors_logged(c, num_classes=10) == []

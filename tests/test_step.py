@@ -226,6 +226,13 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
         ({"trainer": {"clip_grad_norm": -1.0}}, "trainer.clip_grad_norm must be > 0 or null"),
         ({"trainer": {"ema_decay": 1.0}}, "trainer.ema_decay must be in (0, 1) or null"),
         ({"trainer": {"eval_on": "ema"}}, "trainer.eval_on=ema needs trainer.ema_decay"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 12}},  # smoke: max_steps 12
+         "the EMA's first update would be at step 13"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 10, "ema_every_n_steps": 5}},
+         "the EMA's first update would be at step 15"),
+        ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 8, "ema_every_n_steps": 5}},
+         None),  # first update at 10
+        ({"trainer": {"ema_decay": 0.9, "ema_start_step": 12}}, None),  # eval_on=model: EMA a by-product
         ({"trainer": {"channels_last": True}, "parallel": {"strategy": "fsdp", "nproc_per_node": 2}},
          "trainer.channels_last=true with parallel=fsdp"),
     ]:  # fmt: skip
@@ -320,4 +327,39 @@ def test_ema_switched_on_at_a_relaunch_starts_from_the_restored_weights(tmp_path
     assert same(params(s), params(plain)) and s.ema.n_averaged.item() == 0
     s(*batches(2)[1], 1)  # the first update copies the weights
     assert same([p.detach() for p in s.ema.module.parameters()], params(s))
+    mgr.close()
+
+
+@pytest.mark.parametrize("backend", ["torch_save", "dcp_sync"])
+def test_a_checkpoint_from_before_the_step_best_and_early_stopping_parts_resumes(
+    tmp_path, dist1, backend, caplog
+):
+    """A run upgraded mid-way: its checkpoints have no extra.step / best / early_stopping. Those parts
+    are optional (a warning each, their fresh state kept); a required part missing still fails, named."""
+    from goodput.run.monitor import Best, EarlyStopping
+
+    old = make_step(StepOptions())
+    old(*batches(1)[0], 0)
+    app = AppState(old.model, old.optimizer, rank=0)  # what an older goodput saved: no new parts
+    mgr = manager(tmp_path, backend, dist1)
+    mgr.save(1, app)
+    mgr.wait()
+
+    s = make_step(StepOptions(precision="16-mixed"), seed=3)
+    best, early = Best("val/loss", None), EarlyStopping(2, "val/loss", 0.0, None)
+    app = AppState(s.model, s.optimizer, rank=0)
+    app.register("step", s, missing="fresh scaler")
+    app.register("best", best, missing="best starts over")
+    app.register("early_stopping", early, missing="counter from zero")
+    got, skipped = mgr.restore(app, mgr.committed())
+    assert got is not None and got["step"] == 1 and skipped == []
+    assert same(params(s), params(old))
+    for name in ("step", "best", "early_stopping"):
+        assert f"the checkpoint has no '{name}'" in caplog.text
+    assert (best.step, early.bad, s.skipped_steps) == (None, 0, 0)
+
+    app = AppState(s.model, s.optimizer, rank=0)
+    app.register("step", s)  # required: the restore fails, naming the entry
+    got, skipped = mgr.restore(app, mgr.committed())
+    assert got is None and len(skipped) == 1 and "extra.step" in skipped[0]
     mgr.close()

@@ -27,6 +27,7 @@ from goodput.data.config import DataConfig, DatasetConfig
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.loop import ScheduleConfig, TrainerConfig
+from goodput.run.monitor import check_logged
 from goodput.storage import StorageConfig
 from goodput.tracking import MlflowConfig
 
@@ -126,6 +127,16 @@ def build(schema, node: dict, key: str):
     return schema(**node)
 
 
+def monitors_logged(c: dict, num_classes: int | None = None) -> list[str]:
+    """checkpoint.keep_best_by and trainer.early_stopping_by (when on) name a metric evaluation logs."""
+    tr = c["trainer"]
+    top_k = tr.get("eval_top_k") if isinstance(tr.get("eval_top_k"), int) else None
+    watched = {"checkpoint.keep_best_by": c["checkpoint"].get("keep_best_by")}
+    if tr.get("early_stopping_patience") is not None:
+        watched["trainer.early_stopping_by"] = tr.get("early_stopping_by")
+    return [e for key, name in watched.items() for e in check_logged(name, key, top_k, num_classes)]
+
+
 def validate(c: dict) -> None:
     """Check a resolved config (plain dict); raise ConfigError listing every problem."""
     errors = []
@@ -179,6 +190,7 @@ def validate(c: dict) -> None:
                 f"runs per_rank / micro_batch_size whole micro-batches per step"
             )
 
+    errors += monitors_logged(c)  # (the number of classes, known once the data is listed: build.Trainer)
     if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
         errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
 

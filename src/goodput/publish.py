@@ -65,15 +65,16 @@ def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
     rec = next((r for r in ckpt.committed() if r["step"] == step), None)
     if rec is None:
         raise FileNotFoundError(f"no committed checkpoint of step {step}")
+    eval_on = c.get("trainer", {}).get("eval_on", "model")  # the weights the run evaluated
     model = instantiate(c["model"], num_classes=num_classes)
-    model.load_state_dict(model_state(ckpt.storage, rec))
+    model.load_state_dict(model_state(ckpt.storage, rec, eval_on))
     model.eval()
     x = example.detach().cpu().float().numpy()
     with torch.no_grad():
         y = model(example.detach().cpu().float()).numpy()
     sha = model_sha256(model)
     tags = {"model_sha256": sha, "checkpoint_step": str(step), "checkpoint": ckpt.storage.url(rec["dir"]),
-            "weights": source}  # fmt: skip
+            "weights": source, "eval_on": eval_on}  # fmt: skip
     mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
     with mlflow.start_run(run_id=c["mlflow_run_id"]):
         info = mlflow.pytorch.log_model(
@@ -88,5 +89,12 @@ def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
             step=step,
         )
         mlflow.set_tags({f"model.{k}": v for k, v in tags.items()} | {"model.uri": info.model_uri})
-    log.info("MLflow model %s: weights of step %d (%s), model_sha256 %s", info.model_uri, step, source, sha)
+    log.info(
+        "MLflow model %s: %s weights of step %d (%s), model_sha256 %s",
+        info.model_uri,
+        eval_on,
+        step,
+        source,
+        sha,
+    )
     return info.model_uri

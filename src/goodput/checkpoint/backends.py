@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.checkpoint.layout import CommitError, check_file_name
+from goodput.checkpoint.state import OPTIONAL
 from goodput.storage import atomic_write
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,10 @@ def _fill_template_from_metadata(template: dict, md) -> dict:
         if optional_group(group) and group not in saved_groups:
             continue  # a module this run added (EMA switched on): AppState.apply says so
         out[group] = {}
-        for k, _ in _flat(val, group):
+        for k, v in _flat(val, group):
             meta = md.state_dict_metadata.get(k)
+            if meta is None and group == "extra" and v == OPTIONAL:
+                continue  # a part newer than the checkpoint: AppState.apply says so
             if meta is None:
                 raise CheckpointLoadError(f"checkpoint has no entry {k}")
             if not isinstance(meta, TensorStorageMetadata):
@@ -160,8 +163,9 @@ def _fill_template_from_metadata(template: dict, md) -> dict:
             out[group] = val  # live tensors (model, optim, registered modules), loaded in place
             continue
         for k in val:
-            meta = md.state_dict_metadata[f"{group}.{k}"]
-            out[group][k] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            meta = md.state_dict_metadata.get(f"{group}.{k}")
+            if meta is not None:
+                out[group][k] = torch.empty(meta.size, dtype=meta.properties.dtype)
     return out
 
 

@@ -20,9 +20,18 @@ class ExportError(RuntimeError):
     pass
 
 
-def model_state(store: Storage, rec: dict) -> dict[str, torch.Tensor]:
-    """The full model state dict of commit `rec` (from `CheckpointManager.committed()` or
-    `parse_commit`), every file checked against the record as it downloads."""
+# trainer.eval_on -> the checkpoint group holding those weights (goodput.checkpoint.state: the EMA
+# is the AveragedModel registered as `ema`, its weights under `ema.module.*`)
+WEIGHTS = {"model": "model", "ema": "ema.module"}
+
+
+def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, torch.Tensor]:
+    """The full state dict of commit `rec` (from `CheckpointManager.committed()` or `parse_commit`)
+    of the trained model (`weights="model"`) or of its EMA (`"ema"`, trainer.eval_on), every file
+    checked against the record as it downloads. Loads into the model class either way."""
+    if weights not in WEIGHTS:
+        raise ExportError(f"weights must be one of {sorted(WEIGHTS)}, got {weights!r}")
+    prefix = WEIGHTS[weights] + "."
     rel = rec.get("dir") or step_dir(rec["step"])
     with tempfile.TemporaryDirectory() as tmp:
         for name, want in rec["files"].items():
@@ -30,16 +39,27 @@ def model_state(store: Storage, rec: dict) -> dict[str, torch.Tensor]:
             if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
                 raise ExportError(f"{store.url(rel + '/' + name)} does not match its commit record")
         if rec["format"] == "torch_save":
-            return torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)["model"]
-        reader = SafeFileSystemReader(tmp)
-        md = reader.read_metadata()
-        sd = {
-            k: torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in md.state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
-        }
-        dcp.load(sd, storage_reader=reader, no_dist=True)
-        return {k[len("model.") :]: v for k, v in sd.items()}
+            full = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)
+            top, _, sub = WEIGHTS[weights].partition(".")
+            sd = full.get(top, {})
+            sd = {f"{top}.{k}": v for k, v in sd.items()} if isinstance(sd, dict) else {}
+            sd = {k: v for k, v in sd.items() if k.startswith(prefix)}
+        else:
+            reader = SafeFileSystemReader(tmp)
+            md = reader.read_metadata()
+            sd = {
+                k: torch.empty(m.size, dtype=m.properties.dtype)
+                for k, m in md.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+            }
+            if sd:
+                dcp.load(sd, storage_reader=reader, no_dist=True)
+        if not sd:
+            raise ExportError(
+                f"{store.url(rel)} holds no {weights} weights ({prefix}*)"
+                + (": it was written without trainer.ema_decay" if weights == "ema" else "")
+            )
+        return {k[len(prefix) :]: v for k, v in sd.items()}
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:

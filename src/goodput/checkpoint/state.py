@@ -107,6 +107,9 @@ class RNGState:
 
 
 PARAM_GROUPS = "param_groups"
+# A global part's template value when a checkpoint may lack it (goodput.checkpoint.backends skips it
+# then): one written by an older goodput, before the part existed.
+OPTIONAL = "optional"
 
 
 def _tensors_only(tree, path: str) -> None:
@@ -141,16 +144,16 @@ class AppState:
         self.parts: dict[str, Stateful] = {}  # global: identical on every rank
         self.rank_parts: dict[str, Stateful] = {}  # per rank
         self.modules: dict[str, torch.nn.Module] = {}  # tensor groups beside the model (EMA)
-        self.optional: set[str] = set()  # global parts a checkpoint may lack (they then start fresh)
+        self.optional: dict[str, str] = {}  # global part -> what resuming without it means
 
-    def register(self, name: str, part: Stateful, per_rank: bool = False, optional: bool = False) -> None:
-        """`optional`: a part switched on by a setting (keep_best_by, early stopping) that a run may
-        turn on after its checkpoints were made: a checkpoint without it still loads."""
+    def register(self, name: str, part: Stateful, per_rank: bool = False, missing: str | None = None) -> None:
+        """`missing`: the part may be absent from a checkpoint (one written before the part existed);
+        the text says what resuming without it means, and is logged as a warning. None: required."""
         if name == PARAM_GROUPS:
             raise ValueError(f"{name!r} is reserved for the optimizer's param_groups")
         (self.rank_parts if per_rank else self.parts)[name] = part
-        if optional and not per_rank:
-            self.optional.add(name)
+        if missing is not None and not per_rank:
+            self.optional[name] = missing
 
     def register_module(self, name: str, module: torch.nn.Module) -> None:
         """A module whose tensors are saved as group `name`, like the model's (sharded under FSDP,
@@ -187,7 +190,7 @@ class AppState:
             "model": msd,
             "optim": {"state": osd.get("state", {})},
             **self._module_sds(options),
-            "extra": dict.fromkeys([PARAM_GROUPS, *parts]),
+            "extra": {k: OPTIONAL if k in self.optional else None for k in [PARAM_GROUPS, *parts]},
         }
         if self.rank < saved_world:
             sd[f"rank{self.rank}"] = dict.fromkeys(self.rank_parts)
@@ -209,9 +212,12 @@ class AppState:
             else:  # the EMA's first update then copies the restored weights, as at a fresh start
                 log.warning("the checkpoint has no %r: it starts from this run's initial state", k)
         for k, p in self.parts.items():
-            if k in self.optional and sd["extra"].get(k) is None:
-                log.info("the checkpoint of step %d has no %s state: it starts fresh", step, k)
+            if k in self.optional and sd["extra"].get(k) is None:  # switched on later, or an older goodput
+                why = self.optional[k]
+                log.warning("the checkpoint has no %r (step %d; on since, or older): %s", k, step, why)
                 continue
+            if k not in sd["extra"]:
+                raise KeyError(f"the checkpoint has no entry extra.{k}")
             p.load_state_dict(decode(sd["extra"][k]))
         mine = sd.get(f"rank{self.rank}")
         for k, p in self.rank_parts.items():

@@ -16,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.config import ConfigError, monitors_logged
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.parallel import STRATEGIES
 from goodput.resilience.accounting import Attempts, Ledger
@@ -84,6 +85,10 @@ class Trainer:
             )
         self.recovery.mark("data_listed")
 
+        wrong = monitors_logged(c, self.loader.num_classes)
+        if wrong:  # now, not at the first evaluation after training up to it
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
+
         opts = StepOptions(**{k: tr[k] for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
@@ -115,12 +120,16 @@ class Trainer:
             tr["early_stopping_mode"],
         )  # fmt: skip
         # The best so far and the early-stopping counter resume with the run. Saved only when on, so
-        # a run that uses neither keeps the checkpoint layout (and resumes checkpoints) it had before.
-        # Turned on later in a run, they start fresh from the resumed step.
+        # a run that uses neither keeps the checkpoint layout (and resumes checkpoints) it had before;
+        # turned on later in a run (or resuming a checkpoint from before they existed), they start fresh.
         if self.ckpt.best.by is not None:
-            self.app.register("best", self.ckpt.best, optional=True)
+            self.app.register(
+                "best", self.ckpt.best, missing="checkpoint.keep_best_by's best so far starts over"
+            )
         if self.early_stopping.patience is not None:
-            self.app.register("early_stopping", self.early_stopping, optional=True)
+            self.app.register(
+                "early_stopping", self.early_stopping, missing="the early-stopping counter starts from zero"
+            )
         f = c["fault"]
         self.faults = Faults(
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
@@ -130,7 +139,10 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
         )  # fmt: skip
-        self.app.register("step", self.step)
+        self.app.register(
+            "step", self.step,
+            missing="no gradient-scaler state (the run had none): precision=16-mixed starts a fresh scale",
+        )  # fmt: skip
         if ema is not None:
             self.app.register_module("ema", ema)
         self.eval_on = tr["eval_on"]

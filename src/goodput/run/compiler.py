@@ -29,6 +29,8 @@ import time
 import torch
 from torch import nn
 
+from goodput.untrusted import UnsafePath, regular
+
 log = logging.getLogger(__name__)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -171,14 +173,24 @@ class CompileCache:
 
     def _read_local(self):
         path = os.path.join(self.local_dir, ARTIFACTS)
-        try:
-            with open(path, "rb") as f:
+        try:  # a link, FIFO or dir there is not what save() wrote (and a FIFO would block the read)
+            with open(regular(path, "compile cache"), "rb") as f:
                 return f.read(), path
         except FileNotFoundError:
             return None, path
+        except UnsafePath as e:
+            log.warning("%s; compiling from scratch", e)
+            return None, path
 
     def _read_remote(self):
-        if self.remote is None or not self.remote.exists(REMOTE):
+        if self.remote is None:
+            return None, None
+        folder, _, name = REMOTE.rpartition("/")
+        size = self.remote.ls(folder).get(name)  # one listing: the kind of entry, not just its name
+        if size is None:
+            return None, None
+        if size < 0:  # DIR or FOREIGN (a link would load whatever it points at: generated code)
+            log.warning("compile cache %s is not a regular file; refused", self.remote.url(REMOTE))
             return None, None
         return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
 

@@ -236,6 +236,16 @@ class TrainerConfig:
             e.append(f"trainer.eval_on must be model|ema, got {self.eval_on!r}")
         elif self.eval_on == "ema" and self.ema_decay is None:
             e.append("trainer.eval_on=ema needs trainer.ema_decay (no EMA is kept without it)")
+        elif self.eval_on == "ema" and self.ema_every_n_steps >= 1 and isinstance(self.max_steps, int):
+            # goodput.run.step updates after step `done` when done > ema_start_step and done % every == 0
+            first = (max(0, self.ema_start_step) // self.ema_every_n_steps + 1) * self.ema_every_n_steps
+            if first > self.max_steps:
+                e.append(
+                    f"trainer.eval_on=ema: the EMA's first update would be at step {first} "
+                    f"(ema_start_step={self.ema_start_step}, ema_every_n_steps={self.ema_every_n_steps}), "
+                    f"after trainer.max_steps={self.max_steps}: evaluation and the logged model would be "
+                    f"the untrained initial weights"
+                )
         if self.compile_mode not in MODES:
             e.append(f"trainer.compile_mode must be one of {list(MODES)}, got {self.compile_mode!r}")
         if self.compile_dynamic not in (None, True, False):

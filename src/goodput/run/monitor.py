@@ -23,6 +23,25 @@ def check_metric(name: str | None, key: str) -> list[str]:
     ]
 
 
+def check_logged(
+    name: str | None, key: str, eval_top_k: int | None, num_classes: int | None = None
+) -> list[str]:
+    """A val/top<k> monitor must be the top-k the evaluation logs (goodput.run.evaluate.default_top_k):
+    trainer.eval_top_k, or 5 when it is null and there are at least 5 classes (`num_classes`, when
+    known). Otherwise the first evaluation would fail, after training up to it."""
+    m = _METRIC.match(name) if isinstance(name, str) else None
+    if m is None or not m.group(1).startswith("top"):
+        return []
+    k, logged = int(m.group(1)[3:]), eval_top_k if eval_top_k is not None else 5
+    if num_classes is not None and eval_top_k is None and num_classes < 5:
+        return [f"{key}={name}: with {num_classes} classes no top-k is logged (set trainer.eval_top_k={k})"]
+    if k != logged:
+        return [
+            f"{key}={name} is never logged: evaluation logs val/top{logged} (trainer.eval_top_k={eval_top_k})"
+        ]
+    return []
+
+
 def mode_of(name: str | None, mode: str | None) -> str:
     """`max` or `min`; null = from the name (a loss falls, an accuracy rises)."""
     if mode is not None:
