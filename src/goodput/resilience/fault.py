@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from goodput.storage import Storage
+from goodput.untrusted import parse_record
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ class Faults:
         for name in self.storage.ls("faults"):
             if name.endswith(".fired"):
                 try:
-                    out[name] = json.loads(self.storage.read_bytes(f"faults/{name}") or b"{}")
-                except (ValueError, FileNotFoundError):
+                    data = self.storage.read_bytes(f"faults/{name}") or b"{}"
+                    out[name] = parse_record(data, self.storage.url(f"faults/{name}"))
+                except (ValueError, FileNotFoundError):  # RecordError too: a marker is no reason to crash
                     pass
         return out
 
