@@ -90,6 +90,15 @@ class StorageConfig:
     backoff_s: float = 0.05
     """First wait between attempts; doubles each retry, with full jitter."""
 
+    request_timeout_s: float = 30.0
+    """Each request to an object store (s3://) gives up after this long, connecting included, and
+    is then retried as above: a request that never returns costs at most about `retries` x this
+    plus the backoff, never a hung job. The clients' own retry loops are off, so `retries` is the
+    only one. Longer than the slowest single upload at your bandwidth (a 1 GB shard at 100 MB/s:
+    10 s). Not bounded by it: local paths, other protocols, and a multipart upload stalling
+    mid-part (`Storage.put` streams through s3fs's file object); the hang watchdog
+    (trainer.hang_timeout_s) catches what is left."""
+
     # Last, so StorageConfig(latency_ms, bandwidth_mb_s) stays positional-compatible.
     _target_: str = "goodput.storage.Storage"
     _partial_: bool = True
@@ -102,6 +111,8 @@ class StorageConfig:
             raise ValueError(f"storage.error_rate must be in [0, 1), got {self.error_rate}")
         if self.retries < 1:
             raise ValueError(f"storage.retries must be >= 1, got {self.retries}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"storage.request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 KNOWN_PROTOCOLS = set(fsspec.available_protocols())
@@ -145,20 +156,32 @@ class Storage:
         check_url(root, "storage root")
         self.root = root.rstrip("/")
         self.cfg = cfg or StorageConfig(**options)
-        self._fs, self._base = url_to_fs(self.root)
-        _uncached(self._fs)
+        self._fs, self._base = self._open()
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._rng = random.Random()
         self._read_fs = self._get = None
+
+    def _open(self, **kw):
+        """The fsspec client: no listing cache; on s3, every request bounded in time, retried here only."""
+        if self.root.startswith(("s3://", "s3a://")):
+            t = self.cfg.request_timeout_s
+            kw["config_kwargs"] = {
+                "connect_timeout": t,
+                "read_timeout": t,
+                "retries": {"total_max_attempts": 1},  # botocore's retries: ours are in _retry
+            }
+        fs, base = url_to_fs(self.root, **kw)
+        if _is_s3fs(fs):
+            fs.retries = 1  # s3fs's own retry loop (5 by default) would multiply the bound
+        return _uncached(fs), base
 
     @property
     def fs(self):
         # DataLoader workers are forked: clients such as s3fs's are not fork-safe, and fsspec's
         # instance cache would hand the parent's back. Make a fresh one in each new process.
         if os.getpid() != self._pid:
-            self._fs, self._base = url_to_fs(self.root, skip_instance_cache=True)
-            _uncached(self._fs)
+            self._fs, self._base = self._open(skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
             self._read_fs = self._get = None
@@ -172,7 +195,7 @@ class Storage:
         runtime does not survive fork, so forked DataLoader workers use s3fs."""
         fs = self.fs
         if self._read_fs is None:
-            self._read_fs, self._get = _obstore_for(fs) or (fs, None)
+            self._read_fs, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
         if self._read_fs is not fs and _OBSTORE_PID[0] != os.getpid():
             return fs
         return self._read_fs
@@ -286,6 +309,10 @@ class Storage:
             self._transfer(len(data))
             if self.local:
                 atomic_write(self._path(rel), data)
+            elif _is_s3fs(self.fs):
+                # A PUT to an endpoint that never answers ignores botocore's read timeout (it waits
+                # for "100 Continue"): bound the whole call instead (FSTimeoutError, retried).
+                self.fs.pipe_file(self._path(rel), data, timeout=self.cfg.request_timeout_s)
             else:
                 self.fs.pipe_file(self._path(rel), data)
 
@@ -343,7 +370,7 @@ def _is_s3fs(fs) -> bool:
     return type(fs).__module__.startswith("s3fs")
 
 
-def _obstore_for(fs):
+def _obstore_for(fs, timeout_s: float = 30.0):
     """An obstore FsspecStore equivalent to an s3fs filesystem, or None (not s3, not installed,
     after a fork, or options obstore would not honour the same way: then s3fs stays)."""
     if not _is_s3fs(fs) or os.environ.get("GOODPUT_OBSTORE", "1") == "0":
@@ -351,6 +378,7 @@ def _obstore_for(fs):
     if _OBSTORE_PID[0] not in (None, os.getpid()):
         return None  # forked from a process that ran obstore: its runtime is gone here
     opts = dict(fs.storage_options)
+    opts.pop("config_kwargs", None)  # our own timeouts (Storage._open): given to obstore below
     client_kwargs = dict(opts.pop("client_kwargs", None) or {})
     endpoint = opts.pop("endpoint_url", None) or client_kwargs.pop("endpoint_url", None)
     region = client_kwargs.pop("region_name", None)
@@ -360,11 +388,17 @@ def _obstore_for(fs):
         from obstore.fsspec import FsspecStore
     except ImportError:
         return None
-    kw: dict = {}
+    from datetime import timedelta
+
+    t = timedelta(seconds=timeout_s)
+    kw: dict = {
+        "client_options": {"timeout": t, "connect_timeout": t},
+        "retry_config": {"max_retries": 0},  # obstore's own (10 retries, 3 min): ours are in _retry
+    }
     if endpoint:
         kw["endpoint"] = endpoint
         if endpoint.startswith("http://"):
-            kw["client_options"] = {"allow_http": True}
+            kw["client_options"]["allow_http"] = True
     for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"), ("token", "token")):
         if opts.get(src):
             kw[dst] = opts[src]
