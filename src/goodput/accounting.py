@@ -19,7 +19,8 @@ import time
 
 from goodput.storage import Storage
 
-CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval")
+CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "hung")
+# hung: from a rank's last progress until the hang watchdog ended it (goodput.watchdog)
 
 
 def process_start() -> float:
@@ -93,7 +94,7 @@ def plot(report: dict, path: str) -> None:
 
     parts = [(c, report[f"{c}_seconds"]) for c in CATEGORIES] + [("lost", report["lost_seconds"])]
     colors = {"productive": "#2ca02c", "fetch": "#ff7f0e", "checkpoint": "#1f77b4", "startup": "#9467bd",
-              "eval": "#8c564b", "lost": "#d62728"}  # fmt: skip
+              "eval": "#8c564b", "hung": "#7f7f7f", "lost": "#d62728"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 1.8))
     left = 0.0
     for name, sec in parts:

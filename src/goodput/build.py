@@ -19,11 +19,12 @@ from goodput.accounting import Attempts, Ledger
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.fault import Faults
-from goodput.parallel import STRATEGIES
+from goodput.parallel import STRATEGIES, set_collective_timeout
 from goodput.recovery import Recovery, agent_phases, restart_round
 from goodput.recovery import failure_time as recovery_failure_time
 from goodput.storage import Storage
 from goodput.tracking import Tracker
+from goodput.watchdog import Watchdog
 
 log = logging.getLogger("goodput")
 
@@ -93,15 +94,27 @@ class Trainer:
         self.ckpt_store = self.ckpt.storage
         f = c["fault"]
         self.faults = Faults(self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"])
+        self.faults.arm_hang(
+            f["hang_at_step"], f["hang_site"], f["hang_rank"], f["slow_rank"], f["slow_seconds"]
+        )
         self.ckpt.fault = self.faults
+        if (
+            f["hang_at_step"] is not None
+        ):  # hang drills inside storage calls: reads of the data, writes of saves
+            site = f["hang_site"]
+            (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
+        self.watchdog = Watchdog(tr["hang_timeout_s"], d.init_timeout_s, d.rank, self.ckpt_store)
+        self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def attempts_beat(self, step: int) -> None:
         """The loop calls this after every step: the first one after a (re)start ends the recovery."""
+        self.watchdog.beat(step)
         if "first_step" not in self.recovery.marks:
             self.recovery.mark("first_step")
+            set_collective_timeout(self.cfg["parallel"]["collective_timeout_s"])  # warm-up is over
             if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
                 self.record_recovery(step)
         if self.dist.rank == 0:
@@ -128,5 +141,6 @@ class Trainer:
             log.warning("could not record the recovery phases: %s", e)
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.ckpt.close()
         self.loader.close()

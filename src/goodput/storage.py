@@ -161,6 +161,7 @@ class Storage:
         self.local = is_local(self.root)
         self._rng = random.Random()
         self._read_fs = self._get = None
+        self.fault = None  # hang drills (goodput.fault.Faults.storage_op): called before each operation
 
     def _open(self, **kw):
         """The fsspec client: no listing cache; on s3, every request bounded in time, retried here only."""
@@ -202,10 +203,11 @@ class Storage:
 
     # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
     def __getstate__(self):
-        return {"root": self.root, "cfg": self.cfg}
+        return {"root": self.root, "cfg": self.cfg, "fault": self.fault}
 
     def __setstate__(self, state):
         self.__init__(state["root"], state["cfg"])
+        self.fault = state.get("fault")
 
     def __repr__(self):
         return f"Storage({self.root!r}, latency_ms={self.cfg.latency_ms}, bw={self.cfg.bandwidth_mb_s})"
@@ -232,6 +234,8 @@ class Storage:
         delay = self.cfg.backoff_s
         for attempt in range(self.cfg.retries):
             try:
+                if self.fault is not None:
+                    self.fault.storage_op(what.split(" ", 1)[0])
                 self._op()
                 return fn(*args)
             except FileNotFoundError:
