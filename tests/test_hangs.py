@@ -122,3 +122,49 @@ def test_drill_script_knows_hangs():
         [sys.executable, "scripts/drill.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     assert "--hang" in out
+
+
+def test_commit_timeout_must_fit_the_time_interval():
+    from goodput.checkpoint import CheckpointConfig
+
+    node = {"_target_": "goodput.checkpoint.backends.DCPSync"}
+    with pytest.raises(ValueError, match="commit_timeout_s=600 must be shorter"):
+        CheckpointConfig(node, "/tmp/x", "/tmp/y", None, 5.0, commit_timeout_s=600.0)
+    CheckpointConfig(node, "/tmp/x", "/tmp/y", None, 5.0, commit_timeout_s=120.0)
+
+
+PEER_GONE = """
+import os, sys, time, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+from goodput.parallel import init_distributed, set_collective_timeout
+init_distributed(timeout_s=60)
+dist.all_reduce(torch.ones(1))  # the first step: both ranks there
+set_collective_timeout(1.0)
+if rank == 1:
+    time.sleep(30)  # a hung peer
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+    print("completed", flush=True)
+except Exception as e:
+    print(f"failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
+"""
+
+
+def test_collectives_after_the_first_step_fail_within_the_collective_timeout():
+    from goodput.parallel import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PEER_GONE, str(r), port], stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=25)  # the init timeout (60 s) would not fit
+    finally:
+        for p in procs:
+            p.kill()
+    assert "failed after" in out, out
+    assert float(out.split("failed after ")[1].split("s")[0]) < 5.0, out
