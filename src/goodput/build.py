@@ -106,7 +106,13 @@ class Trainer:
         self.watchdog = Watchdog(tr["hang_timeout_s"], d.init_timeout_s, d.rank, self.ckpt_store)
         self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
         self.attempts = Attempts(self.ckpt_store)
-        self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+        ml = c["mlflow"]
+        self.tracker = Tracker(
+            ml["tracking_uri"],
+            c["mlflow_run_id"],
+            enabled=d.rank == 0,
+            system_metrics_s=ml["system_metrics_interval_s"],
+        )
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def attempts_beat(self, step: int) -> None:

@@ -109,8 +109,9 @@ class TrainerConfig:
     """A rank that makes no progress (no step done, no save begun) for this long is hung: the
     watchdog (goodput.watchdog) logs its rank, last step and every thread's Python stack, then
     ends it, and the restart path takes over. Until the first step the bound is
-    parallel.init_timeout_s. Longer than the slowest step, evaluation and blocking save, or one is
-    cut short; the time from a hang to the resumed run is about this plus a restart. 0 = off."""
+    parallel.init_timeout_s. Longer than the slowest step, evaluation and blocking save (waiting
+    for the previous dcp_async upload included), or one is cut short; the time from a hang to the
+    resumed run is about this plus a restart. 0 = off."""
 
     def __post_init__(self):
         e = []
