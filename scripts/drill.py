@@ -4,6 +4,7 @@ python scripts/drill.py                                   # demo job, dcp_async,
 python scripts/drill.py --mtbf 10 --kills 2 -- checkpoint=dcp_sync checkpoint.every_n_steps=10
 python scripts/drill.py --compare   # torch_save (long interval) vs dcp_sync / dcp_async (short)
 python scripts/drill.py --preset mtbf60   # a failure every ~60 s over a >= 10 minute 2-rank demo job
+python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
 
 Each faulty run is supervised by the elastic agent (parallel.max_restarts), so restarts are automatic;
 the clean run has no faults. Prints goodput, lost work, restarts and stalls, whether the final
@@ -69,6 +70,7 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         "lost_steps": g["lost_steps"],
         "lost_s": g["lost_seconds"],
         "ckpt_stall_s": g["checkpoint_seconds"],
+        "hung_s": g.get("hung_seconds", 0.0),
         "fetch_s": g["fetch_seconds"],
         "productive_s": g["productive_seconds"],
         "wall_s": g["wall_seconds"],
@@ -122,6 +124,14 @@ def main() -> None:
     p.add_argument(
         "--compare", action="store_true", help="faulty runs for torch_save@50, dcp_sync@10, dcp_async@10"
     )
+    p.add_argument(
+        "--hang", metavar="SITE@STEP", help="also hang one rank once: fault.hang_site at fault.hang_at_step "
+        "(step, collective, storage_read, storage_write, dataloader)",
+    )  # fmt: skip
+    p.add_argument("--hang-rank", type=int, default=0, help="the rank that hangs (fault.hang_rank)")
+    p.add_argument(
+        "--hang-timeout", type=float, default=5.0, help="trainer.hang_timeout_s of the faulty runs"
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), help="mtbf, kills and overrides of a named drill")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     a = p.parse_args()
@@ -135,8 +145,14 @@ def main() -> None:
     faults = [
         f"fault.mtbf_seconds={a.mtbf}",
         f"fault.max_kills={a.kills}",
-        f"parallel.max_restarts={a.kills + 1}",
+        f"parallel.max_restarts={a.kills + 1 + bool(a.hang)}",
     ]
+    if a.hang:
+        site, _, at = a.hang.partition("@")
+        if not at.isdecimal():
+            p.error(f"--hang wants SITE@STEP, got {a.hang!r}")
+        faults += [f"fault.hang_site={site}", f"fault.hang_at_step={int(at)}",
+                   f"fault.hang_rank={a.hang_rank}", f"trainer.hang_timeout_s={a.hang_timeout}"]  # fmt: skip
     variants = COMPARE if a.compare else {"faulty": []}
     # The first run under a root pays one-time costs that would count in its wall time: demo data
     # generation, MLflow database creation, cold file caches. A one-step warm-up pays them, so the
@@ -148,7 +164,8 @@ def main() -> None:
     rows = [row("clean", clean, None)]
     phases, recovery = [], {}
     for label, extra in variants.items():
-        print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}) ...", flush=True)
+        hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
+        print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
         s = run(a.root, f"drill-{tag}/{label}", [*a.overrides, *extra, *faults, f"seed={a.seed}"])
         rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
         phases.append(phase_table(label, s))
@@ -163,6 +180,8 @@ def main() -> None:
     result = {
         "mtbf_seconds": a.mtbf,
         "max_kills": a.kills,
+        "hang": a.hang,
+        "hang_rank": a.hang_rank,
         "overrides": a.overrides,
         "rows": rows,
         "recovery": recovery,

@@ -281,6 +281,9 @@ def test_restart_cost_from_the_ledger_and_the_attempt_records() -> None:
     r = restart_cost(m, steps=200)  # a step computes 0.5 s; 20 redone = 10 s; (30 - 10) / 2 restarts
     assert r["restart_seconds"] == r["restart_seconds_ledger"] == pytest.approx(10)
     assert r["restart_source"].startswith("ledger: (lost_seconds")
+    # A hang's detection time (booked as hung) is part of the restart cost: 2 hangs of 3 s each.
+    r = restart_cost(m | {"goodput/hung_seconds": 6.0}, steps=200)
+    assert r["restart_seconds"] == pytest.approx(13) and r["hung_seconds"] == 6.0
     r = restart_cost({"goodput/restarts": 0, "goodput/startup_seconds": 4.0}, steps=200)
     assert r["restart_seconds"] == 4.0 and "no restarts" in r["restart_source"]
     # With the heartbeat records: last sign of life of each crashed attempt to the next one's start.

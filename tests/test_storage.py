@@ -162,3 +162,50 @@ def test_a_file_being_written_is_not_listed_under_its_suffix(tmp_path):
         names = list(store.ls("ranks"))
         assert len(names) == 1 and not names[0].endswith(".json") and names[0].startswith(TEMP_PREFIX)
     assert list(store.ls("ranks")) == ["1.json"]
+
+
+@pytest.fixture
+def silent_s3(s3_endpoint):
+    """An S3 endpoint that accepts connections and never answers (a hung object store)."""
+    import socket
+
+    import fsspec.config
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])  # kept open, never read or answered
+            except OSError:
+                pass
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    conf = fsspec.config.conf["s3"]
+    saved = conf["endpoint_url"]
+    conf["endpoint_url"] = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    yield
+    conf["endpoint_url"] = saved
+    stop.set()
+    th.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("op", ["read_bytes", "ls", "write_bytes"])
+def test_a_request_that_never_returns_fails_within_its_bound(silent_s3, op):
+    # obstore serves read_bytes, s3fs the rest: both must honour the timeout, neither retry on its own
+    s = Storage("s3://hung-bucket/x", StorageConfig(request_timeout_s=0.5, retries=2, backoff_s=0.01))
+    args = {"read_bytes": ("a.bin",), "ls": ("",), "write_bytes": ("a.bin", b"x")}[op]
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="after 2 attempts"):
+        getattr(s, op)(*args)
+    took = time.monotonic() - t0
+    assert took < 2 * 2 * 0.5 + 1.0, f"{op} took {took:.1f}s"  # connect+request per attempt at most

@@ -45,10 +45,18 @@ class Dist:
     local_rank: int
     device: torch.device
     ckpt_pg: object  # gloo group used only by checkpoint collectives (async saves run on it)
+    init_timeout_s: float = 600.0  # the bound on collectives until the first step is done
 
 
-def init_distributed(timeout_s: float = 600) -> Dist:
+def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Dist:
+    """The job's process groups, every collective bounded by `timeout_s` (rendezvous, restore and
+    the first step are slow; `set_collective_timeout` shortens it once training runs). On CUDA,
+    NCCL's Flight Recorder keeps the last collectives of each rank and, when one times out, dumps
+    them to `<trace_dir>/rank_<r>` (read them with `python -m torch.distributed.flight_recorder.fr_trace`)."""
     cuda = torch.cuda.is_available()
+    if cuda and trace_dir:
+        flight_recorder_env(trace_dir)
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -56,14 +64,34 @@ def init_distributed(timeout_s: float = 600) -> Dist:
             torch.cuda.set_device(local_rank)
         # NCCL for compute, gloo as the CPU side for checkpoint and object collectives.
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world)
+        dist.init_process_group(
+            backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world, timeout=timeout
+        )
     else:
         rank, world, local_rank = 0, 1, 0
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    ckpt_pg = dist.new_group(backend="gloo")
-    return Dist(rank, world, local_rank, device, ckpt_pg)
+    # Checkpoint collectives keep the long timeout: an async save's run on a background thread,
+    # waiting for the slowest rank's write, which the loop's short one must not cut.
+    ckpt_pg = dist.new_group(backend="gloo", timeout=timeout)
+    return Dist(rank, world, local_rank, device, ckpt_pg, timeout_s)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """After the first step: a collective on the training group that waits longer than this for a
+    peer fails (a hung or dead rank then costs seconds, not gloo's 30 min default)."""
+    dist.set_timeout(timedelta(seconds=seconds))
+
+
+def flight_recorder_env(trace_dir: str) -> None:
+    """NCCL's Flight Recorder (read when the NCCL group starts): a ring of the last collectives per
+    rank, dumped to `<trace_dir>/rank_<r>` when a collective times out. Explicit settings win."""
+    os.makedirs(trace_dir, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace_dir, "rank_"))
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(trace_dir, "rank_"))  # older name
 
 
 def _store(rank: int, world: int, timeout_s: float):
@@ -189,6 +217,16 @@ class ParallelConfig:
     rdzv_timeout_s: int = 300
     """Give up joining the rendezvous after this long (a node that never comes up)."""
 
+    init_timeout_s: float = 600.0
+    """Bound on every collective until the first step is done (process group start, restore, the
+    first step with its compilation and warm-up), and always on the checkpoint group."""
+
+    collective_timeout_s: float = 120.0
+    """Bound on every training collective after the first step: a peer that hung or died fails
+    the waiting ranks after this long (then the elastic restart takes over). Longer than the
+    slowest step and evaluation, or a slow one is cut; shorter than trainer.hang_timeout_s makes
+    the collective the first to notice a hung peer."""
+
     def __post_init__(self):
         e = []
         if self.strategy not in STRATEGIES:
@@ -199,5 +237,8 @@ class ParallelConfig:
             e.append(f"parallel.max_restarts must be >= 0, got {self.max_restarts}")
         if self.rdzv_timeout_s <= 0:
             e.append(f"parallel.rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
+        for key in ("init_timeout_s", "collective_timeout_s"):
+            if getattr(self, key) <= 0:
+                e.append(f"parallel.{key} must be > 0, got {getattr(self, key)}")
         if e:
             raise ValueError("\n  - ".join(e))

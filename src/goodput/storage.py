@@ -99,6 +99,15 @@ class StorageConfig:
     backoff_s: float = 0.05
     """First wait between attempts; doubles each retry, with full jitter."""
 
+    request_timeout_s: float = 30.0
+    """Each request to an object store (s3://) gives up after this long, connecting included, and
+    is then retried as above: a request that never returns costs at most about `retries` x this
+    plus the backoff, never a hung job. The clients' own retry loops are off, so `retries` is the
+    only one. Longer than the slowest single upload at your bandwidth (a 1 GB shard at 100 MB/s:
+    10 s). Not bounded by it: local paths, other protocols, and a multipart upload stalling
+    mid-part (`Storage.put` streams through s3fs's file object); the hang watchdog
+    (trainer.hang_timeout_s) catches what is left."""
+
     # Last, so StorageConfig(latency_ms, bandwidth_mb_s) stays positional-compatible.
     _target_: str = "goodput.storage.Storage"
     _partial_: bool = True
@@ -111,6 +120,8 @@ class StorageConfig:
             raise ValueError(f"storage.error_rate must be in [0, 1), got {self.error_rate}")
         if self.retries < 1:
             raise ValueError(f"storage.retries must be >= 1, got {self.retries}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"storage.request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 KNOWN_PROTOCOLS = set(fsspec.available_protocols())
@@ -158,21 +169,36 @@ class Storage:
         check_url(root, "storage root")
         self.root = root.rstrip("/")
         self.cfg = cfg or StorageConfig(**options)
-        self._fs, self._base = url_to_fs(self.root)
-        _uncached(self._fs)
+        self._fs, self._base = self._open()
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._real = real_root(self._base) if self.local else None
         self._rng = random.Random()
         self._read_fs = self._get = None
+        self.fault = (
+            None  # hang drills (goodput.resilience.fault.Faults.storage_op): called before each operation
+        )
+
+    def _open(self, **kw):
+        """The fsspec client: no listing cache; on s3, every request bounded in time, retried here only."""
+        if self.root.startswith(("s3://", "s3a://")):
+            t = self.cfg.request_timeout_s
+            kw["config_kwargs"] = {
+                "connect_timeout": t,
+                "read_timeout": t,
+                "retries": {"total_max_attempts": 1},  # botocore's retries: ours are in _retry
+            }
+        fs, base = url_to_fs(self.root, **kw)
+        if _is_s3fs(fs):
+            fs.retries = 1  # s3fs's own retry loop (5 by default) would multiply the bound
+        return _uncached(fs), base
 
     @property
     def fs(self):
         # DataLoader workers are forked: clients such as s3fs's are not fork-safe, and fsspec's
         # instance cache would hand the parent's back. Make a fresh one in each new process.
         if os.getpid() != self._pid:
-            self._fs, self._base = url_to_fs(self.root, skip_instance_cache=True)
-            _uncached(self._fs)
+            self._fs, self._base = self._open(skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
             self._read_fs = self._get = None
@@ -186,17 +212,18 @@ class Storage:
         runtime does not survive fork, so forked DataLoader workers use s3fs."""
         fs = self.fs
         if self._read_fs is None:
-            self._read_fs, self._get = _obstore_for(fs) or (fs, None)
+            self._read_fs, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
         if self._read_fs is not fs and _OBSTORE_PID[0] != os.getpid():
             return fs
         return self._read_fs
 
     # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
     def __getstate__(self):
-        return {"root": self.root, "cfg": self.cfg}
+        return {"root": self.root, "cfg": self.cfg, "fault": self.fault}
 
     def __setstate__(self, state):
         self.__init__(state["root"], state["cfg"])
+        self.fault = state.get("fault")
 
     def __repr__(self):
         return f"Storage({self.root!r}, latency_ms={self.cfg.latency_ms}, bw={self.cfg.bandwidth_mb_s})"
@@ -235,6 +262,8 @@ class Storage:
         delay = self.cfg.backoff_s
         for attempt in range(self.cfg.retries):
             try:
+                if self.fault is not None:
+                    self.fault.storage_op(what.split(" ", 1)[0])
                 self._op()
                 return fn(*args)
             except FileNotFoundError:
@@ -317,6 +346,10 @@ class Storage:
             self._transfer(len(data))
             if self.local:
                 atomic_write(self._path(rel), data)
+            elif _is_s3fs(self.fs):
+                # A PUT to an endpoint that never answers ignores botocore's read timeout (it waits
+                # for "100 Continue"): bound the whole call instead (FSTimeoutError, retried).
+                self.fs.pipe_file(self._path(rel), data, timeout=self.cfg.request_timeout_s)
             else:
                 self.fs.pipe_file(self._path(rel), data)
 
@@ -376,7 +409,7 @@ def _is_s3fs(fs) -> bool:
     return type(fs).__module__.startswith("s3fs")
 
 
-def _obstore_for(fs):
+def _obstore_for(fs, timeout_s: float = 30.0):
     """An obstore FsspecStore equivalent to an s3fs filesystem, or None (not s3, not installed,
     after a fork, or options obstore would not honour the same way: then s3fs stays)."""
     if not _is_s3fs(fs) or os.environ.get("GOODPUT_OBSTORE", "1") == "0":
@@ -384,6 +417,7 @@ def _obstore_for(fs):
     if _OBSTORE_PID[0] not in (None, os.getpid()):
         return None  # forked from a process that ran obstore: its runtime is gone here
     opts = dict(fs.storage_options)
+    opts.pop("config_kwargs", None)  # our own timeouts (Storage._open): given to obstore below
     client_kwargs = dict(opts.pop("client_kwargs", None) or {})
     endpoint = opts.pop("endpoint_url", None) or client_kwargs.pop("endpoint_url", None)
     region = client_kwargs.pop("region_name", None)
@@ -393,11 +427,17 @@ def _obstore_for(fs):
         from obstore.fsspec import FsspecStore
     except ImportError:
         return None
-    kw: dict = {}
+    from datetime import timedelta
+
+    t = timedelta(seconds=timeout_s)
+    kw: dict = {
+        "client_options": {"timeout": t, "connect_timeout": t},
+        "retry_config": {"max_retries": 0},  # obstore's own (10 retries, 3 min): ours are in _retry
+    }
     if endpoint:
         kw["endpoint"] = endpoint
         if endpoint.startswith("http://"):
-            kw["client_options"] = {"allow_http": True}
+            kw["client_options"]["allow_http"] = True
     for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"), ("token", "token")):
         if opts.get(src):
             kw[dst] = opts[src]

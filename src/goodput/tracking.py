@@ -67,9 +67,28 @@ class MlflowConfig:
     """Nest this run under that MLflow run (the `mlflow.parentRunId` tag). Set by the Optuna sweeper
     (hparams_search=...) for each trial: the sweep's parent run groups its trials in the UI."""
 
+    system_metrics_interval_s: float = 10.0
+    """Rank 0 samples CPU, memory, disk, network (and GPU, with pynvml) every this many seconds
+    with MLflow's own system-metrics monitor, on a thread of its own (`system/*` in the UI).
+    0 = off. Each sample is one MLflow write: shorter intervals load a shared SQLite store."""
+
     def __post_init__(self):
         if self.log_model not in ("final", "best", "none"):
             raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
+
+
+def _system_monitor(uri: str, run_id: str, interval_s: float):
+    """MLflow's system-metrics monitor for the run (continuing its step count after a restart),
+    or None where it cannot run (psutil missing): the run goes on without it."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        m = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=uri)
+        m.start()
+        return m
+    except Exception as e:
+        log.warning("MLflow system metrics are off: %s", e)
+        return None
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -226,12 +245,15 @@ def start_run(
 
 
 class Tracker:
-    def __init__(self, uri: str | None, run_id: str | None, enabled: bool):
+    def __init__(self, uri: str | None, run_id: str | None, enabled: bool, system_metrics_s: float = 0.0):
         self.enabled = enabled and uri is not None and run_id is not None
         self.run_id = run_id
+        self._system = None
         if not self.enabled:
             return
         self.client = MlflowClient(uri)
+        if system_metrics_s:
+            self._system = _system_monitor(uri, run_id, system_metrics_s)
         self._q: queue.Queue = queue.Queue()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="mlflow-log", daemon=True)
@@ -300,6 +322,9 @@ class Tracker:
 
     def close(self, status: str = "FINISHED") -> None:
         if self.enabled:
+            if self._system is not None:
+                self._system.finish()
+                self._system = None
             self._closing.set()
             self._q.put(None)
             self._thread.join(timeout=60)

@@ -58,17 +58,23 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
     step seconds) / restarts, the part of the lost time that is not redone steps; without restarts,
     start-up seconds per attempt (a floor: the crash-to-relaunch gap is unknown). The ledger's lost
     time also holds whatever the loop did outside its categories (logging, heartbeats), and start-up
-    of the resumed attempt is booked as start-up, so both are estimates. When the attempt records are
+    of the resumed attempt is booked as start-up, so both are estimates. Time a hung rank spent until
+    the watchdog ended it (`goodput/hung_seconds`: the measured detection time) counts in the restart
+    cost: it is lost to the failure as much as the restart itself. When the attempt records are
     at hand (RUN given as a checkpoint dir), the restart cost is measured directly instead: from the
     crashed attempt's last heartbeat to the moment the next attempt was ready to train (after its restore).
     """
     restarts = int(metrics.get("goodput/restarts", 0))
-    out: dict[str, float | str] = {"restarts": restarts}
+    hung = metrics.get("goodput/hung_seconds", 0.0)
+    out: dict[str, float | str] = {"restarts": restarts, "hung_seconds": hung}
     if restarts > 0 and steps > 0:
         step_s = metrics.get("goodput/productive_seconds", 0.0) / steps
         redone = metrics.get("goodput/lost_steps", 0.0) * step_s
-        ledger = max(0.0, metrics.get("goodput/lost_seconds", 0.0) - redone) / restarts
-        source = "ledger: (lost_seconds - lost_steps x mean productive step seconds) / restarts"
+        # A hang's detection (the watchdog's wait, booked as `hung`) is part of what a restart costs.
+        ledger = (max(0.0, metrics.get("goodput/lost_seconds", 0.0) - redone) + hung) / restarts
+        source = (
+            "ledger: (lost_seconds - lost_steps x mean productive step seconds + hung_seconds) / restarts"
+        )
     else:
         ledger = metrics.get("goodput/startup_seconds", 0.0) / (1 + restarts)
         source = "ledger: start-up seconds per attempt (no restarts: the crash-to-relaunch gap is missing)"

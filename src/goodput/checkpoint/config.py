@@ -54,8 +54,12 @@ class CheckpointConfig:
     """A save that fails: `raise` stops the run; `continue` logs it and trains on (the previous
     commit stays the newest, so a crash would lose more)."""
 
-    commit_timeout_s: float = 1800.0
-    """Rank 0 waits this long for every rank's upload before giving up on a commit."""
+    commit_timeout_s: float = 600.0
+    """Rank 0 waits this long for every rank's upload (its manifest) before giving up on the
+    commit; the previous commit stays the newest. It bounds the save, not the interval: with
+    every_n_minutes set it must be shorter than that interval (a commit still waiting when the
+    next save is due stalls the loop). Under a sync backend the wait is in the loop, where
+    trainer.hang_timeout_s, if shorter, ends a rank first; dcp_async waits on a background thread."""
 
     def __post_init__(self):
         e = []
@@ -77,6 +81,11 @@ class CheckpointConfig:
             e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
         if self.commit_timeout_s <= 0:
             e.append(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        elif self.every_n_minutes and self.commit_timeout_s >= 60 * self.every_n_minutes:
+            e.append(
+                f"checkpoint.commit_timeout_s={self.commit_timeout_s:g} must be shorter than the interval "
+                f"checkpoint.every_n_minutes={self.every_n_minutes:g} ({60 * self.every_n_minutes:g} s)"
+            )
         try:
             check_url(str(self.dir), "checkpoint.dir")
         except ValueError as err:

@@ -75,6 +75,7 @@ class CheckpointManager:
         self.cfg, self.storage, self.backend = cfg, storage, backend
         self.rank, self.world, self.local_rank, self.pg = rank, world, local_rank, pg
         self.fault = fault
+        self.progress = None  # called with what the rank now does (the hang watchdog's doing())
         self.commit_info = commit_info or {}
         self._pending = None  # (step, Pending, thread)
         self._bg_error: BaseException | None = None
@@ -125,6 +126,8 @@ class CheckpointManager:
     def save(self, step: int, app: AppState, extra: dict | None = None) -> float:
         """Start a checkpoint of `step`; returns the seconds the loop was blocked."""
         t0 = time.perf_counter()
+        if self.progress is not None:
+            self.progress(f"checkpoint save of step {step}")
         self._finish_pending()  # one save in flight at most
         self._last_save_time = time.monotonic()
         local = os.path.join(self.cfg.staging_dir, step_dir(step))

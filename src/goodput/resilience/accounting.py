@@ -26,7 +26,8 @@ from goodput.untrusted import RecordError, field, parse_record
 log = logging.getLogger(__name__)
 _ATTEMPT = re.compile(r"([0-9]{4,})\.json")
 
-CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile")
+CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile", "hung")
+# hung: from a rank's last progress until the hang watchdog ended it (goodput.resilience.watchdog)
 
 
 def sync_point(device) -> Callable[[], None]:
@@ -115,7 +116,7 @@ def plot(report: dict, path: str) -> None:
 
     parts = [(c, report[f"{c}_seconds"]) for c in CATEGORIES] + [("lost", report["lost_seconds"])]
     colors = {"productive": "#2ca02c", "fetch": "#ff7f0e", "checkpoint": "#1f77b4", "startup": "#9467bd",
-              "eval": "#8c564b", "compile": "#e377c2", "lost": "#d62728"}  # fmt: skip
+              "eval": "#8c564b", "compile": "#e377c2", "hung": "#7f7f7f", "lost": "#d62728"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 1.8))
     left = 0.0
     for name, sec in parts:

@@ -17,6 +17,15 @@ from goodput.untrusted import parse_record
 log = logging.getLogger(__name__)
 
 
+HANG_SITES = ("step", "collective", "storage_read", "storage_write", "dataloader")
+_STORAGE_OPS = {"storage_read": ("read", "download"), "storage_write": ("write", "upload")}
+
+
+def hang_forever() -> None:
+    while True:
+        time.sleep(3600)
+
+
 @dataclass
 class FaultConfig:
     """Schema of the `fault` group: kills for drills. All off by default; each fires once per run."""
@@ -47,6 +56,26 @@ class FaultConfig:
     """SIGKILL inside this step, between its first and second micro-batch (first attempt only;
     needs gradient accumulation, trainer.micro_batch_size): the half-accumulated step must be redone."""
 
+    hang_at_step: int | None = None
+    """Hang drill: from this step on, `hang_rank` stops making progress at `hang_site`, forever
+    (once per run). Only the hang watchdog (trainer.hang_timeout_s) or a collective timeout
+    (parallel.collective_timeout_s) ends it."""
+
+    hang_rank: int = 0
+    """Which rank hangs."""
+
+    hang_site: str = "step"
+    """Where: `step` (the main thread sleeps after the step), `collective` (it waits in a gloo
+    receive no peer sends: stuck in C++), `storage_read` (inside the next read from the data
+    root), `storage_write` (inside the next write to the checkpoint dir: the next save),
+    `dataloader` (a DataLoader worker stops inside a read; needs data.num_workers > 0)."""
+
+    slow_rank: int | None = None
+    """Straggler drill: this rank sleeps `slow_seconds` more in every step."""
+
+    slow_seconds: float = 0.0
+    """Extra seconds per step on `slow_rank`."""
+
     def __post_init__(self):
         e = []
         if self.kill_in_step is not None and self.kill_in_step < 1:
@@ -57,6 +86,12 @@ class FaultConfig:
             e.append(f"fault.max_kills must be >= 0, got {self.max_kills}")
         if not 0.0 <= self.chaos_p <= 1.0:
             e.append(f"fault.chaos_p must be in [0, 1], got {self.chaos_p}")
+        if self.hang_site not in HANG_SITES:
+            e.append(f"fault.hang_site must be one of {list(HANG_SITES)}, got {self.hang_site!r}")
+        if self.hang_at_step is not None and self.hang_at_step < 1:
+            e.append(f"fault.hang_at_step must be >= 1 or null, got {self.hang_at_step}")
+        if self.slow_seconds < 0:
+            e.append(f"fault.slow_seconds must be >= 0, got {self.slow_seconds}")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -76,6 +111,54 @@ class Faults:
         self.kill_in_step = kill_in_step
         self._random_kill_at, self._attempt = None, 0
         self._chaos, self._chaos_p = None, 0.0
+        self.step = 0
+        self.hang_at_step, self.hang_site, self.hang_rank = None, "step", 0
+        self.slow_rank, self.slow_seconds = None, 0.0
+        self._pid = os.getpid()
+        self._worker_reads = 0
+
+    def arm_hang(self, at_step, site: str, rank: int, slow_rank=None, slow_seconds: float = 0.0) -> None:
+        self.hang_at_step, self.hang_site, self.hang_rank = at_step, site, rank
+        self.slow_rank, self.slow_seconds = slow_rank, slow_seconds
+
+    def _hang_due(self, site: str) -> bool:
+        return (
+            self.hang_at_step is not None
+            and self.hang_site == site
+            and self.rank == self.hang_rank
+            and self.step >= self.hang_at_step
+        )
+
+    def _hang(self, site: str) -> None:
+        """Mark the hang as done for this run (a restart runs on), then never return."""
+        marker = f"faults/hang-{site}-{self.hang_at_step}.fired"
+        self.hang_at_step = None  # also keeps the marker's own write from hanging here
+        if self.storage.exists(marker):
+            return
+        info = {"time": time.time(), "rank": self.rank, "attempt": self._attempt, "step": self.step}
+        self.storage.write_bytes(marker, json.dumps(info).encode())
+        log.warning("fault injection: rank %d hangs at %s (step %d)", self.rank, site, self.step)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        if site == "collective":
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_world_size() > 1:  # a receive nobody sends
+                dist.recv(torch.zeros(1), src=(self.rank + 1) % dist.get_world_size(), tag=4_242)
+        hang_forever()
+
+    def storage_op(self, kind: str) -> None:
+        """Storage calls this before each remote operation (`kind`: read, write, upload, ls...)."""
+        if os.getpid() != self._pid:  # a DataLoader worker (it got a copy of the Storage)
+            if self.hang_site == "dataloader" and self.rank == self.hang_rank and kind == "read":
+                self._worker_reads += 1
+                if self.hang_at_step is not None and self._worker_reads > self.hang_at_step:
+                    self._hang("dataloader")  # after hang_at_step reads: well into the run
+            return
+        for site, kinds in _STORAGE_OPS.items():
+            if kind in kinds and self._hang_due(site):
+                self._hang(site)
 
     def _fire(self, name: str) -> None:
         marker = f"faults/{name}.fired"
@@ -102,6 +185,12 @@ class Faults:
         return out
 
     def at_step(self, step: int) -> None:
+        self.step = step
+        if self.rank == self.slow_rank and self.slow_seconds:
+            time.sleep(self.slow_seconds)
+        for site in ("step", "collective"):
+            if self._hang_due(site):
+                self._hang(site)
         if self.rank != self.target_rank:
             return
         if self.kill_at_step is not None and step == self.kill_at_step:

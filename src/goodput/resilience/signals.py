@@ -56,3 +56,75 @@ def signals_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class GraceTimer:
+    """The preemption grace period, started by the signal itself, not by a Python handler.
+
+    Python runs a signal handler only when the main thread returns to the interpreter: a rank
+    blocked in a C++ collective whose peer hung never does, so a timer started from the handler
+    never starts. The C-level handler does write the signal's number to the wakeup fd
+    (`signal.set_wakeup_fd`) at once, whatever the main thread does; a thread of ours reads it and
+    runs the timer: after `grace_s`, the process exits (128 + signal) unless `cancel()` came first
+    (every rank reached the step boundary). A second signal exits at once, except the same one
+    again within `dup_s` (one notice by two routes). Main thread only; elsewhere it does nothing."""
+
+    def __init__(self, grace_s: float, dup_s: float = 2.0):
+        import socket
+
+        self.grace_s, self.dup_s = grace_s, dup_s
+        self._lock = threading.Lock()
+        self._first = None
+        self._cancelled = False
+        self._timer = None
+        self._old = None
+        self._r, self._w = socket.socketpair()
+        self._w.setblocking(False)
+        try:
+            self._old = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            self._r.close(), self._w.close()
+            self._r = None
+            return
+        threading.Thread(target=self._run, name="preemption-grace", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._r.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in PREEMPT_SIGNALS:
+                    self._on(signum)
+
+    def _on(self, signum: int) -> None:
+        import time
+
+        now = time.monotonic()
+        with self._lock:
+            if self._first is not None:
+                if signum == self._first[0] and now - self._first[1] < self.dup_s:
+                    return
+                os._exit(128 + signum)
+            self._first = (signum, now)
+            if not self._cancelled:
+                self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+                self._timer.daemon = True
+                self._timer.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def close(self) -> None:
+        if self._r is None:
+            return
+        signal.set_wakeup_fd(self._old if self._old is not None else -1)
+        self._w.close()
+        self._r.close()
+        self._r = None

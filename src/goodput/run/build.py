@@ -18,11 +18,12 @@ from hydra.utils import instantiate
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.config import ConfigError, monitors_logged
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
-from goodput.parallel import STRATEGIES
+from goodput.parallel import STRATEGIES, set_collective_timeout
 from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery, agent_phases, restart_round
 from goodput.resilience.recovery import failure_time as recovery_failure_time
+from goodput.resilience.watchdog import Watchdog
 from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model
 from goodput.run.monitor import EarlyStopping
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
@@ -134,7 +135,17 @@ class Trainer:
         self.faults = Faults(
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
         )
+        self.faults.arm_hang(
+            f["hang_at_step"], f["hang_site"], f["hang_rank"], f["slow_rank"], f["slow_seconds"]
+        )
         self.ckpt.fault = self.faults
+        if (
+            f["hang_at_step"] is not None
+        ):  # hang drills inside storage calls: reads of the data, writes of saves
+            site = f["hang_site"]
+            (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
+        self.watchdog = Watchdog(tr["hang_timeout_s"], d.init_timeout_s, d.rank, self.ckpt_store)
+        self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
@@ -153,7 +164,13 @@ class Trainer:
             cache.activate()
         self.compile_clock = CompileClock(comp["compile"], cache)
         self.attempts = Attempts(self.ckpt_store)
-        self.tracker = Tracker(c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0)
+        ml = c["mlflow"]
+        self.tracker = Tracker(
+            ml["tracking_uri"],
+            c["mlflow_run_id"],
+            enabled=d.rank == 0,
+            system_metrics_s=ml["system_metrics_interval_s"],
+        )
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 
     def eval_module(self) -> torch.nn.Module:
@@ -162,6 +179,7 @@ class Trainer:
 
     def attempts_beat(self, step: int) -> None:
         """The loop calls this after every step: the first one after a (re)start ends the recovery."""
+        self.watchdog.beat(step)
         if "first_step" not in self.recovery.marks:
             self.recovery.mark("first_step")
             if self.compile_clock.enabled and self.dist.rank == 0:  # cold or warm: what this start paid
@@ -170,6 +188,7 @@ class Trainer:
                     "first_step_seconds": round(self.compile_clock.total, 4),
                     "cache_artifacts_loaded": cc.loaded, "cache_source": cc.source, **cache_counters(),
                 }  # fmt: skip
+            set_collective_timeout(self.cfg["parallel"]["collective_timeout_s"])  # warm-up is over
             if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
                 self.record_recovery(step)
         if self.dist.rank == 0:
@@ -198,5 +217,6 @@ class Trainer:
             log.warning("could not record the recovery phases: %s", e)
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.ckpt.close()
         self.loader.close()

@@ -85,6 +85,22 @@ class _LeaveStopToWorkers:
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPT_SIGNALS}
+        # After a notice, a worker group that fails is not restarted: its workers were stuck (a
+        # hang) and their grace timers ended them; new workers would train on into the kill.
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        self._agent_cls, self._restart = SimpleElasticAgent, SimpleElasticAgent._restart_workers
+        guard = self
+
+        def restart_unless_preempted(agent, worker_group):
+            if guard._first is not None:
+                sig = signal.Signals(guard._first[0])
+                log.error("workers failed after %s: not restarting them, the job stops", sig.name)
+                raise SignalException(f"preempted ({sig.name}) while the workers failed", sigval=sig)
+            return guard._restart(agent, worker_group)
+
+        SimpleElasticAgent._restart_workers = restart_unless_preempted
         return self
 
     def _handle(self, signum, frame):
@@ -104,6 +120,7 @@ class _LeaveStopToWorkers:
                 pass
 
     def __exit__(self, *exc):
+        self._agent_cls._restart_workers = self._restart
         for sig, h in self._previous.items():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
 

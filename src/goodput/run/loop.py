@@ -7,7 +7,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from omegaconf import MISSING
 from tqdm import tqdm
 
 from goodput.resilience.accounting import sync_point
-from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
+from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS, GraceTimer
 from goodput.run.compiler import MODES
 from goodput.run.evaluate import default_top_k, evaluate
 from goodput.run.monitor import check_metric
@@ -42,7 +41,7 @@ class StopSignal:
         self.received = None
         self.grace_s, self.dup_s = grace_s, dup_s
         self._first = None  # (signum, monotonic time)
-        self._timer = None
+        self._grace = GraceTimer(grace_s, dup_s)  # runs even while the main thread is stuck in C++
         self._previous = {}
         self._env = os.environ.get(HELPER_ENV)
         os.environ[HELPER_ENV] = "1"
@@ -60,16 +59,13 @@ class StopSignal:
             os._exit(128 + signum)
         self._first = (signum, now)
         self.received = signal.Signals(signum).name
-        self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
-        self._timer.daemon = True
-        self._timer.start()
 
     def agreed(self, world: int) -> bool:
         t = torch.tensor([1 if self.received else 0])
         if world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t.item() and self._timer is not None:
-            self._timer.cancel()  # every rank reached the boundary: the checkpoint can take its time
+        if t.item():
+            self._grace.cancel()  # every rank reached the boundary: the checkpoint can take its time
         return bool(t.item())
 
     def restore(self) -> None:
@@ -77,6 +73,7 @@ class StopSignal:
         for sig, h in self._previous.items():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
         self._previous = {}
+        self._grace.close()
         if self._env is None:
             os.environ.pop(HELPER_ENV, None)
 
@@ -192,8 +189,18 @@ class TrainerConfig:
     read by a relaunch on a node whose local cache is empty. Off by default: the cache is generated
     code that runs when loaded, so this trusts whoever can write the checkpoint dir."""
 
+    hang_timeout_s: float = 300.0
+    """A rank that makes no progress (no step done, no save begun) for this long is hung: the
+    watchdog (goodput.resilience.watchdog) logs its rank, last step and every thread's Python stack,
+    then ends it, and the restart path takes over. Until the first step the bound is
+    parallel.init_timeout_s. Longer than the slowest step, evaluation and blocking save (waiting
+    for the previous dcp_async upload included), or one is cut short; the time from a hang to the
+    resumed run is about this plus a restart. 0 = off."""
+
     def __post_init__(self):
         e = []
+        if self.hang_timeout_s < 0:
+            e.append(f"trainer.hang_timeout_s must be >= 0 (0 = off), got {self.hang_timeout_s}")
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
             e.append(f"trainer.max_steps must be > 0, got {self.max_steps}")
         if not (isinstance(self.global_batch_size, int) and self.global_batch_size > 0):

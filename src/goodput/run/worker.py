@@ -24,6 +24,7 @@ from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start
 from goodput.resilience.recovery import Recovery, summarize
 from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.resilience.watchdog import hung_seconds
 from goodput.run import loop
 from goodput.run.build import Trainer
 from goodput.run.evaluate import write_report
@@ -41,18 +42,21 @@ def worker(c: dict) -> dict | None:
     t_start = c["job_start"] if first else process_start()
     recovery = Recovery()
     recovery.mark("imports_done")  # this module is imported before `worker` is called
-    d = init_distributed()
+    par = c["parallel"]
+    d = init_distributed(par["init_timeout_s"], trace_dir=os.path.join(c["run_dir"], "flight_recorder"))
     recovery.mark("pg_ready")
     c = _rank0_view(c, d)
     t, finished = None, False
     try:
         t = Trainer(c, d, recovery)
+        t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
         recovery.mark("built")
         rec, touched = resume(t.ckpt, t.app, c["run"]["resume"])
         recovery.mark("checkpoint_read")
         if touched:  # a failed load may have written into the live state: rebuild it fresh
             t.close()
             t = Trainer(c, d, recovery)
+            t.watchdog.start()
         restarts = begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
@@ -102,15 +106,20 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
     resumed = rec["step"] if rec else None
     if rec:
         t.ledger.resumed_from.append(rec["step"])
-    info = [0, t_start, 0.0]  # (restarts so far, the run's first start, uncounted start-ups)
+    info = [0, t_start, 0.0, 0.0]  # (restarts so far, the run's first start, uncounted start-ups, hangs)
     if t.dist.rank == 0:
         previous = t.attempts.previous()
         uncounted = sum(a.get("startup", 0.0) for a in previous if a["attempt"] > t.ledger.attempt)
+        hung = hung_seconds(
+            t.faults.fired(), rec.get("time", 0.0) if rec else 0.0
+        )  # the restored ledger lacks them
         restarts = t.attempts.begin(resumed, start=t_start)
-        info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted]
+        info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung]
     if t.dist.world > 1:
         dist.broadcast_object_list(info, src=0)
-    restarts, first_start, uncounted = info
+    restarts, first_start, uncounted, hung = info
+    t.watchdog.attempt = restarts
+    t.ledger.add("hung", hung)
     f, seed = t.cfg["fault"], t.cfg["seed"]
     t.faults.arm_random(f["mtbf_seconds"], f["max_kills"], seed, restarts)
     t.faults.arm_chaos(f["chaos_p"], f["chaos_seed"], f["max_kills"], restarts)

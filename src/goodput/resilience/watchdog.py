@@ -1,0 +1,130 @@
+"""Hang watchdog: a rank that makes no progress for `trainer.hang_timeout_s` is ended, so the
+ordinary restart path (the elastic agent, or a relaunch) takes over within seconds.
+
+The rank's main thread may be stuck anywhere: in a C++ collective whose peer hung, in a storage
+request, waiting for a DataLoader worker. So the check runs on a thread of its own, which needs
+nothing from the main thread (gloo, sleeps and socket waits release the GIL). Before the exit it
+logs which rank, the last step done and what the rank was doing, dumps every Python thread's stack
+(faulthandler, to stderr: the rank's log), and leaves a record beside the checkpoints so the next
+attempt counts the stall as `hung` in the goodput ledger and its recovery starts at the stall.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+HUNG_EXIT = 124  # the exit status of a rank ended for a hang (timeout(1)'s convention)
+RECORDS = "faults"  # beside the fault markers: recovery reads the newest as the failure time
+
+
+class Watchdog:
+    """`beat(step)` after each step; `doing(what)` names the phase the rank enters (both count as
+    progress). Until the first beat the limit is `first_timeout_s` (restore, first step, compile)."""
+
+    def __init__(self, timeout_s: float, first_timeout_s: float, rank: int, storage=None, attempt: int = 0):
+        self.timeout_s, self.first_timeout_s = timeout_s, max(first_timeout_s, timeout_s)
+        self.rank, self.storage, self.attempt = rank, storage, attempt
+        self.step, self.what = None, "starting"
+        self._last = time.monotonic()
+        self._last_wall = time.time()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> Watchdog:
+        if self.timeout_s and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        self.step, self.what = step, f"after step {step}"
+        self._last, self._last_wall = time.monotonic(), time.time()
+
+    def doing(self, what: str) -> None:
+        self.what = what
+        self._last, self._last_wall = time.monotonic(), time.time()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _limit(self) -> float:
+        return self.first_timeout_s if self.step is None else self.timeout_s
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(0.25, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self._limit():
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        log.error(
+            "hang watchdog: rank %d made no progress for %.1fs (limit %.0fs); last step done: %s; "
+            "doing: %s. Python stacks of every thread follow; exiting (%d) for a restart.",
+            self.rank, idle, self._limit(), self.step, self.what, HUNG_EXIT,
+        )  # fmt: skip
+        for h in logging.getLogger().handlers:
+            h.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        self._record(idle)
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            try:  # the error file the agent reports (what torch's @record leaves)
+                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+                ErrorHandler().record_exception(HangDetected(self._message(idle)))
+            except Exception:
+                pass
+        os._exit(HUNG_EXIT)
+
+    def _message(self, idle: float) -> str:
+        return f"rank {self.rank}: no progress for {idle:.1f}s after step {self.step} ({self.what})"
+
+    def _record(self, idle: float) -> None:
+        """The stall's record (bounded: the store itself may be what hangs)."""
+        if self.storage is None:
+            return
+        rec = {
+            "time": self._last_wall,  # the stall began at the last progress
+            "detected": time.time(),
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": self.step,
+            "doing": self.what,
+            "hung_seconds": idle,
+        }
+        path = f"{RECORDS}/hung-attempt{self.attempt}-rank{self.rank}.fired"
+        th = threading.Thread(
+            target=_quietly, args=(self.storage.write_bytes, path, json.dumps(rec).encode()), daemon=True
+        )
+        th.start()
+        th.join(timeout=2.0)
+
+
+class HangDetected(RuntimeError):
+    pass
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        log.warning("could not record the hang: %r", e)
+
+
+def hung_seconds(markers: dict[str, dict], since: float) -> float:
+    """Seconds lost to stalls detected after wall time `since` (the restored checkpoint's save:
+    the restored ledger holds none of them): per attempt, the longest stall any rank recorded."""
+    per: dict[int, float] = {}
+    for name, m in markers.items():
+        if name.startswith("hung-") and m.get("detected", 0.0) > since:
+            per[m["attempt"]] = max(per.get(m["attempt"], 0.0), float(m.get("hung_seconds", 0.0)))
+    return sum(per.values())
