@@ -63,8 +63,18 @@ def test_min_mode_and_bad_best_records(tmp_path):
     with pytest.raises(KeyError, match="val/loss"):
         b.observe({"val/accuracy": 1.0}, 5)
     rec = {"step": 3, "format": "dcp", "world_size": 1, "checksum": "xxh3_128", "files": {"a": {}}}
-    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}):
-        with pytest.raises(CommitError, match="best|stop_reason"):
+    good = {"by": "val/loss", "mode": "min", "step": 3, "value": 0.5}
+    ok = {
+        **rec,
+        "files": {"a": {"bytes": 1, "xxh3_128": "0" * 32}},
+        "best": good,
+        "metric": {"val/loss": 0.5},
+    }
+    assert parse_commit(json.dumps(ok).encode(), "step-000000003")["best"] == good
+    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}, {"best": {**good, "value": "0.5"}},
+                {"best": {**good, "by": None}}, {"best": {"step": 3}}, {"metric": "val/loss"},
+                {"metric": {"val/loss": [1]}}):  # fmt: skip  # inspect_checkpoint formats these
+        with pytest.raises(CommitError, match="best|stop_reason|metric"):
             parse_commit(json.dumps({**rec, **bad}).encode(), "step-000000003")
 
 
