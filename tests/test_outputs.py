@@ -328,3 +328,15 @@ def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
     c["checkpoint"]["keep_best_by"] = "val/top5"
     assert "with 4 classes no top-k is logged" in monitors_logged(c, num_classes=4)[0]
     assert monitors_logged(c, num_classes=10) == []
+
+
+def test_a_search_objective_no_evaluation_logs_fails_before_any_trial():
+    """hydra.sweeper.metric names summary.json's `val` entry each trial returns: a typo made every
+    trial 'return no metric' and the whole search ran without an objective."""
+    from hydra_plugins.goodput_optuna_sweeper.sweeper import OptunaSweeper
+
+    for ok in ("val/accuracy", "val/loss", "val/top5", "val/class/circle"):
+        assert OptunaSweeper(metric=ok).metric == ok
+    for bad in ("accuracy", "val/acc", "train/loss"):
+        with pytest.raises(ValueError, match="hydra.sweeper.metric must be"):
+            OptunaSweeper(metric=bad)
