@@ -90,6 +90,14 @@ def check_files(files: object, allow_empty: bool = False) -> dict[str, dict]:
     return out
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:  # JSON's numbers (NaN included: json writes it for a nan metric)
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def parse_commit(data: bytes, rel: str) -> dict:
     """Parse and check the COMMIT.json of step dir `rel`. Raises CommitError saying what is wrong."""
     try:
@@ -108,12 +116,21 @@ def parse_commit(data: bytes, rel: str) -> dict:
         raise CommitError(f"checksum algorithm {rec.get('checksum')!r}, expected {CHECKSUM}")
     best = rec.get("best")  # checkpoint.keep_best_by: retention keeps the step it names
     if best is not None and not (
-        isinstance(best, dict) and isinstance(best.get("step"), int) and not isinstance(best["step"], bool)
-    ):
+        isinstance(best, dict) and _int(best.get("step")) and isinstance(best.get("by"), str)
+        and best.get("mode") in ("max", "min") and _number(best.get("value"))
+    ):  # fmt: skip
         raise CommitError(f"bad best record {best!r}")
+<<<<<<< HEAD
     parts = rec.get("parts")  # AppState's global parts (a restore leaves out an optional one not here)
     if parts is not None and not (isinstance(parts, list) and all(isinstance(x, str) for x in parts)):
         raise CommitError(f"bad parts list {parts!r}")
+=======
+    metric = rec.get("metric")  # this step's evaluation of the monitored metric (printed by inspect)
+    if metric is not None and not (
+        isinstance(metric, dict) and all(isinstance(k, str) and _number(v) for k, v in metric.items())
+    ):
+        raise CommitError(f"bad metric record {metric!r}")
+>>>>>>> h-review
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
     rec["files"] = check_files(rec.get("files"))

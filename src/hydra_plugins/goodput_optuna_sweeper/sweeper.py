@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 import optuna
@@ -44,6 +45,9 @@ def distribution(o: Override) -> BaseDistribution | None:
     return None
 
 
+OBJECTIVE = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*|class/.+)$")  # summary.json's `val` keys
+
+
 class OptunaSweeper(Sweeper):
     def __init__(
         self,
@@ -58,6 +62,14 @@ class OptunaSweeper(Sweeper):
     ):
         if direction not in ("maximize", "minimize"):
             raise ValueError(f"hydra.sweeper.direction must be maximize|minimize, got {direction!r}")
+        if not (
+            isinstance(metric, str) and re.match(r"^val/(loss|accuracy|top[1-9][0-9]*|class/.+)$", metric)
+        ):
+            # each trial returns summary.json's `val` entry of this name: another name is no objective
+            raise ValueError(
+                f"hydra.sweeper.metric must be a metric the final evaluation logs (val/loss, "
+                f"val/accuracy, val/top<k>, val/class/<name>), got {metric!r}"
+            )
         if n_trials < 1 or n_jobs < 1:
             raise ValueError(f"hydra.sweeper.n_trials and n_jobs must be >= 1, got {n_trials}, {n_jobs}")
         self.metric, self.direction, self.n_trials, self.n_jobs = metric, direction, n_trials, n_jobs
