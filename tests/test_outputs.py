@@ -92,10 +92,6 @@ def test_min_mode_and_bad_best_records(tmp_path):
     with pytest.raises(KeyError, match="val/loss"):
         b.observe({"val/accuracy": 1.0}, 5)
     rec = {"step": 3, "format": "dcp", "world_size": 1, "checksum": "xxh3_128", "files": {"a": {}}}
-<<<<<<< HEAD
-    for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}, {"parts": "best"}):
-        with pytest.raises(CommitError, match="best|stop_reason|parts"):
-=======
     good = {"by": "val/loss", "mode": "min", "step": 3, "value": 0.5}
     ok = {
         **rec,
@@ -106,9 +102,8 @@ def test_min_mode_and_bad_best_records(tmp_path):
     assert parse_commit(json.dumps(ok).encode(), "step-000000003")["best"] == good
     for bad in ({"best": {"step": "3"}}, {"best": 3}, {"stop_reason": 1}, {"best": {**good, "value": "0.5"}},
                 {"best": {**good, "by": None}}, {"best": {"step": 3}}, {"metric": "val/loss"},
-                {"metric": {"val/loss": [1]}}):  # fmt: skip  # inspect_checkpoint formats these
-        with pytest.raises(CommitError, match="best|stop_reason|metric"):
->>>>>>> h-review
+                {"metric": {"val/loss": [1]}}, {"parts": "best"}):  # fmt: skip
+        with pytest.raises(CommitError, match="best|stop_reason|metric|parts"):
             parse_commit(json.dumps({**rec, **bad}).encode(), "step-000000003")
 
 

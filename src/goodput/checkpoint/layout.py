@@ -120,17 +120,14 @@ def parse_commit(data: bytes, rel: str) -> dict:
         and best.get("mode") in ("max", "min") and _number(best.get("value"))
     ):  # fmt: skip
         raise CommitError(f"bad best record {best!r}")
-<<<<<<< HEAD
     parts = rec.get("parts")  # AppState's global parts (a restore leaves out an optional one not here)
     if parts is not None and not (isinstance(parts, list) and all(isinstance(x, str) for x in parts)):
         raise CommitError(f"bad parts list {parts!r}")
-=======
     metric = rec.get("metric")  # this step's evaluation of the monitored metric (printed by inspect)
     if metric is not None and not (
         isinstance(metric, dict) and all(isinstance(k, str) and _number(v) for k, v in metric.items())
     ):
         raise CommitError(f"bad metric record {metric!r}")
->>>>>>> h-review
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
     rec["files"] = check_files(rec.get("files"))
