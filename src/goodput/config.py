@@ -23,7 +23,7 @@ from omegaconf import MISSING
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
-from goodput.data.config import DataConfig, DatasetConfig
+from goodput.data.config import DataConfig, DemoDataConfig
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.loop import ScheduleConfig, TrainerConfig
@@ -44,7 +44,7 @@ class PathsConfig:
 
     data_dir: str = (
         "${paths.root}/remote/data/"
-        "shapes-c${dataset.num_classes}-n${dataset.train_per_class}-s${dataset.image_size}"
+        "shapes-c${demo_data.num_classes}-n${demo_data.train_per_class}-s${demo_data.image_size}"
     )
     """The demo "remote" dataset, named by what generated it (created on first use)."""
 
@@ -95,7 +95,7 @@ SCHEMAS = {
     "paths": PathsConfig,
     "run": RunConfig,
     "trainer": TrainerConfig,
-    "dataset": DatasetConfig,
+    "demo_data": DemoDataConfig,
     "data": DataConfig,
     "augment": AugmentConfig,
     "checkpoint": CheckpointConfig,
