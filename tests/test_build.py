@@ -27,6 +27,7 @@ from goodput.data.dataset import CsvManifest, DataRootError, ImageFolder
 from goodput.data.loader import ResumableLoader
 from goodput.data.sources import RemoteSource
 from goodput.data.synthetic import make_dataset
+from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
 from goodput.resilience.accounting import Attempts, Ledger, process_start
 from goodput.run import build
 from goodput.run.worker import begin_attempt
@@ -106,7 +107,45 @@ def test_parallel_single_under_a_bigger_world_is_refused(tmp_path, monkeypatch):
     c = _config(tmp_path, ["experiment=smoke"])
     validate(c)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="parallel=single runs one process, but the world size is 2"):
+    single = "parallel.strategy goodput.parallel.Single runs one process, but the world size is 2"
+    with pytest.raises(ConfigError, match=single):
+        validate(c)
+
+
+class TaggingStrategy(Single):
+    """A user's own strategy, selected by `parallel.strategy._target_`; its option is `tag`."""
+
+    def __init__(self, tag: str):
+        self.tag, self.wrapped = tag, []
+
+    def wrap(self, model, d, param_dtype=None):
+        self.wrapped.append(model)
+        return model
+
+
+def test_a_strategy_of_your_own_by_target_wraps_the_model(tmp_path, monkeypatch):
+    root = tmp_path / "d"
+    make_dataset(str(root), num_classes=2, train_per_class=8, val_per_class=2, image_size=16)
+    c = _config(tmp_path, ["experiment=smoke", f"data.root={root}"])
+    c["parallel"]["strategy"] = {"_target_": f"{__name__}.TaggingStrategy", "tag": "mine"}
+    c["mlflow_run_id"] = None  # no tracking
+    validate(c)
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    t = build.Trainer(c, init_distributed())
+    try:
+        s = t.step.strategy
+        assert type(s) is TaggingStrategy and s.tag == "mine" and s.wrapped == [t.model]
+    finally:
+        t.close()
+        shutdown_distributed()
+    # Checked by what the class says (one process, as Single), and its options by its constructor.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=f"{__name__}.TaggingStrategy runs one process"):
+        validate(c)
+    monkeypatch.delenv("WORLD_SIZE")
+    c["parallel"]["strategy"]["tga"] = "x"
+    with pytest.raises(ConfigError, match="(?s)parallel.strategy: .*tga"):
         validate(c)
 
 
