@@ -158,8 +158,8 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    """Every `goodput` import, function-level ones included: the module graph has no cycle."""
+def _import_graph() -> dict[str, set[str]]:
+    """Each goodput module -> the goodput modules it imports, function-level imports included."""
     mods = _modules()
     graph = {}
     for name, path in mods.items():
@@ -172,6 +172,12 @@ def test_no_module_imports_one_that_imports_it_back():
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("goodput")}
         graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Every `goodput` import, function-level ones included: the module graph has no cycle."""
+    graph = _import_graph()
 
     def reaches(start, goal, seen):
         for nxt in graph[start]:
@@ -181,6 +187,20 @@ def test_no_module_imports_one_that_imports_it_back():
 
     cycles = sorted(m for m in graph if reaches(m, m, set()))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_the_data_layer_imports_no_checkpoint_or_run_code():
+    """goodput.data sits below the checkpoint and the run: what it shares with them (an exception, a
+    config) lives in a module both import, not up there."""
+    above = ("goodput.checkpoint", "goodput.run")
+    climbs = {
+        (m, d)
+        for m, deps in _import_graph().items()
+        if m == "goodput.data" or m.startswith("goodput.data.")
+        for d in deps
+        if any(d == a or d.startswith(a + ".") for a in above)
+    }
+    assert not climbs, f"goodput.data imports from above it: {sorted(climbs)}"
 
 
 def test_scripts_import_the_installed_package_without_path_edits():

@@ -11,6 +11,8 @@ or need the machine.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -189,3 +191,8 @@ def validate(c: dict) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def config_hash(resolved: dict) -> str:
+    """The run's identity (of its resolved config): recorded in each commit, compared on resume."""
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]

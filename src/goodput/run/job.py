@@ -16,9 +16,8 @@ import time
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput.checkpoint.manager import config_hash
 from goodput.checkpoint.resume import explicit_checkpoint
-from goodput.config import validate
+from goodput.config import config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
