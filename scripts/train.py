@@ -19,8 +19,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from goodput.checkpoint.manager import IncompatibleCheckpoint  # noqa: E402
 from goodput.config import ConfigError  # noqa: E402
+from goodput.errors import IncompatibleCheckpoint  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
 from goodput.run.job import AlreadyDone, prepare  # noqa: E402
 from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402

@@ -27,6 +27,7 @@ from goodput.data.dataset import CsvManifest, DataRootError, ImageFolder
 from goodput.data.loader import ResumableLoader
 from goodput.data.sources import RemoteSource
 from goodput.data.synthetic import make_dataset
+from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
 from goodput.resilience.accounting import Attempts, Ledger, process_start
 from goodput.run import build
 from goodput.run.worker import begin_attempt
@@ -106,7 +107,45 @@ def test_parallel_single_under_a_bigger_world_is_refused(tmp_path, monkeypatch):
     c = _config(tmp_path, ["experiment=smoke"])
     validate(c)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="parallel=single runs one process, but the world size is 2"):
+    single = "parallel.strategy goodput.parallel.Single runs one process, but the world size is 2"
+    with pytest.raises(ConfigError, match=single):
+        validate(c)
+
+
+class TaggingStrategy(Single):
+    """A user's own strategy, selected by `parallel.strategy._target_`; its option is `tag`."""
+
+    def __init__(self, tag: str):
+        self.tag, self.wrapped = tag, []
+
+    def wrap(self, model, d, param_dtype=None):
+        self.wrapped.append(model)
+        return model
+
+
+def test_a_strategy_of_your_own_by_target_wraps_the_model(tmp_path, monkeypatch):
+    root = tmp_path / "d"
+    make_dataset(str(root), num_classes=2, train_per_class=8, val_per_class=2, image_size=16)
+    c = _config(tmp_path, ["experiment=smoke", f"data.root={root}"])
+    c["parallel"]["strategy"] = {"_target_": f"{__name__}.TaggingStrategy", "tag": "mine"}
+    c["mlflow_run_id"] = None  # no tracking
+    validate(c)
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    t = build.Trainer(c, init_distributed())
+    try:
+        s = t.step.strategy
+        assert type(s) is TaggingStrategy and s.tag == "mine" and s.wrapped == [t.model]
+    finally:
+        t.close()
+        shutdown_distributed()
+    # Checked by what the class says (one process, as Single), and its options by its constructor.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=f"{__name__}.TaggingStrategy runs one process"):
+        validate(c)
+    monkeypatch.delenv("WORLD_SIZE")
+    c["parallel"]["strategy"]["tga"] = "x"
+    with pytest.raises(ConfigError, match="(?s)parallel.strategy: .*tga"):
         validate(c)
 
 
@@ -119,8 +158,8 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    """Every `goodput` import, function-level ones included: the module graph has no cycle."""
+def _import_graph() -> dict[str, set[str]]:
+    """Each goodput module -> the goodput modules it imports, function-level imports included."""
     mods = _modules()
     graph = {}
     for name, path in mods.items():
@@ -133,6 +172,12 @@ def test_no_module_imports_one_that_imports_it_back():
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("goodput")}
         graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Every `goodput` import, function-level ones included: the module graph has no cycle."""
+    graph = _import_graph()
 
     def reaches(start, goal, seen):
         for nxt in graph[start]:
@@ -142,6 +187,20 @@ def test_no_module_imports_one_that_imports_it_back():
 
     cycles = sorted(m for m in graph if reaches(m, m, set()))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_the_data_layer_imports_no_checkpoint_or_run_code():
+    """goodput.data sits below the checkpoint and the run: what it shares with them (an exception, a
+    config) lives in a module both import, not up there."""
+    above = ("goodput.checkpoint", "goodput.run")
+    climbs = {
+        (m, d)
+        for m, deps in _import_graph().items()
+        if m == "goodput.data" or m.startswith("goodput.data.")
+        for d in deps
+        if any(d == a or d.startswith(a + ".") for a in above)
+    }
+    assert not climbs, f"goodput.data imports from above it: {sorted(climbs)}"
 
 
 def test_scripts_import_the_installed_package_without_path_edits():
@@ -224,8 +283,9 @@ def _trainer(store, ledger: Ledger, rank: int = 0):
         attempts=Attempts(store),
         ledger=ledger,
         cfg={"fault": {"mtbf_seconds": None, "max_kills": 0, "chaos_p": 0.0, "chaos_seed": 0}, "seed": 0},
-        faults=SimpleNamespace(arm_random=lambda *a: None, arm_chaos=lambda *a: None),
+        faults=SimpleNamespace(arm_random=lambda *a: None, arm_chaos=lambda *a: None, fired=lambda: {}),
         tracker=SimpleNamespace(set_tags=lambda tags: None),
+        watchdog=SimpleNamespace(attempt=None),
     )
 
 

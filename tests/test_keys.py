@@ -20,7 +20,7 @@ K is consumed by module M when
   module, and K must be a named parameter of the target (a key that lands in **kwargs must be read
   where it lands: the storage node's keys are StorageConfig's fields, read in goodput.storage).
 K is consumed without a reader of its own when it is interpolated into a key that is consumed
-(paths.* into data.root, checkpoint.dir, ...; data.image_size into dataset.image_size), or into
+(paths.* into data.root, checkpoint.dir, ...; data.image_size into demo_data.image_size), or into
 Hydra's own config (paths.run_dir is hydra.run.dir).
 
 Not reads (plumbing), each for the reason given where it is excluded:
@@ -355,7 +355,7 @@ class Consumption:
 # -- the groups ---------------------------------------------------------------------------------
 def _options() -> list[tuple[str, str]]:
     """Every option of every group: the files under conf/<group>/, and `base` for the groups whose
-    only option is their schema (run, trainer, dataset, storage, mlflow). `hydra` is Hydra's own
+    only option is their schema (run, trainer, demo_data, storage, mlflow). `hydra` is Hydra's own
     config (consumed by Hydra; hydra/launcher=slurm is composed in test_config), and so are the
     `hparams_search` presets (Hydra's sweeper; run in test_outputs); `experiment` files set other
     groups' keys (test_the_root_file_and_the_experiments)."""

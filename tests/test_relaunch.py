@@ -114,7 +114,7 @@ def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tm
     moments (start-up, data generation, store creation, restore, steps, saves) of the first start
     and of the relaunches, then a relaunch to the end: every trial ends with the uninterrupted
     run's model, and nobody had to delete anything."""
-    extra = ("trainer.max_steps=16", "dataset.train_per_class=150", "checkpoint.every_n_steps=2")
+    extra = ("trainer.max_steps=16", "demo_data.train_per_class=150", "checkpoint.every_n_steps=2")
     ref = smoke_reference("dcp_async", *extra)
     rng = random.Random(7)
     attempts = []

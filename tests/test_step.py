@@ -216,12 +216,14 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
     from goodput.config import ConfigError, validate
 
     c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)  # batch 16
+    DDP2 = {"strategy": {"_target_": "goodput.parallel.DDP"}, "nproc_per_node": 2}
+    FSDP2 = {"strategy": {"_target_": "goodput.parallel.FSDP"}, "nproc_per_node": 2}
     for change, message in [
         ({"trainer": {"precision": "fp8"}}, "trainer.precision must be 32|bf16-mixed|16-mixed"),
         ({"trainer": {"micro_batch_size": 0}}, "trainer.micro_batch_size must be > 0 or null"),
         ({"trainer": {"micro_batch_size": 3}}, "micro_batch_size=3 must divide the per-rank batch 16"),
-        ({"trainer": {"micro_batch_size": 8}, "parallel": {"strategy": "ddp", "nproc_per_node": 2}}, None),
-        ({"trainer": {"micro_batch_size": 16}, "parallel": {"strategy": "ddp", "nproc_per_node": 2}},
+        ({"trainer": {"micro_batch_size": 8}, "parallel": DDP2}, None),
+        ({"trainer": {"micro_batch_size": 16}, "parallel": DDP2},
          "trainer.micro_batch_size=16 must divide the per-rank batch 8"),
         ({"trainer": {"clip_grad_norm": -1.0}}, "trainer.clip_grad_norm must be > 0 or null"),
         ({"trainer": {"ema_decay": 1.0}}, "trainer.ema_decay must be in (0, 1) or null"),
@@ -233,8 +235,8 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
         ({"trainer": {"eval_on": "ema", "ema_decay": 0.9, "ema_start_step": 8, "ema_every_n_steps": 5}},
          None),  # first update at 10
         ({"trainer": {"ema_decay": 0.9, "ema_start_step": 12}}, None),  # eval_on=model: EMA a by-product
-        ({"trainer": {"channels_last": True}, "parallel": {"strategy": "fsdp", "nproc_per_node": 2}},
-         "trainer.channels_last=true with parallel=fsdp"),
+        ({"trainer": {"channels_last": True}, "parallel": FSDP2},
+         "trainer.channels_last=true with parallel.strategy goodput.parallel.FSDP"),
     ]:  # fmt: skip
         bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
         if message is None:

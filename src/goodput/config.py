@@ -11,6 +11,8 @@ or need the machine.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -23,7 +25,7 @@ from omegaconf import MISSING
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
-from goodput.data.config import DataConfig, DatasetConfig
+from goodput.data.config import DataConfig, DemoDataConfig
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.loop import ScheduleConfig, TrainerConfig
@@ -45,7 +47,7 @@ class PathsConfig:
 
     data_dir: str = (
         "${paths.root}/remote/data/"
-        "shapes-c${dataset.num_classes}-n${dataset.train_per_class}-s${dataset.image_size}"
+        "shapes-c${demo_data.num_classes}-n${demo_data.train_per_class}-s${demo_data.image_size}"
     )
     """The demo "remote" dataset, named by what generated it (created on first use)."""
 
@@ -96,7 +98,7 @@ SCHEMAS = {
     "paths": PathsConfig,
     "run": RunConfig,
     "trainer": TrainerConfig,
-    "dataset": DatasetConfig,
+    "demo_data": DemoDataConfig,
     "data": DataConfig,
     "augment": AugmentConfig,
     "checkpoint": CheckpointConfig,
@@ -151,9 +153,10 @@ def validate(c: dict) -> None:
         errors.append(f"augment: {e}")
     # Nodes built by their class: the constructor names a mistyped or unknown key (none takes
     # **kwargs) and checks the values. Cheap: a source opens nothing until `open()`.
-    for group, key in (("checkpoint", "backend"), ("data", "source")):
+    built = {}
+    for group, key in (("checkpoint", "backend"), ("data", "source"), ("parallel", "strategy")):
         try:
-            instantiate(c[group][key])
+            built[group] = instantiate(c[group][key])
         except Exception as e:
             errors.append(f"{group}.{key}: {e}")
 
@@ -167,16 +170,20 @@ def validate(c: dict) -> None:
             errors.append(
                 f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit})"
             )
-    if par["strategy"] == "fsdp" and world <= 1:
-        errors.append("parallel=fsdp needs more than one process (set parallel.nproc_per_node >= 2)")
-    if par["strategy"] == "fsdp" and tr.get("channels_last"):
+    # What the strategy class says it does, not its name: a subclass of your own is checked alike.
+    strategy, name = built.get("parallel"), par["strategy"]["_target_"]
+    if strategy is not None and strategy.shards_parameters and world <= 1:
+        errors.append(f"parallel.strategy {name} shards parameters: it needs more than one process "
+                      "(set parallel.nproc_per_node >= 2)")  # fmt: skip
+    if strategy is not None and strategy.shards_parameters and tr.get("channels_last"):
         errors.append(
-            "trainer.channels_last=true with parallel=fsdp: FSDP2 shards only contiguous parameters "
-            "(torch 2.14); use parallel=ddp or single for channels_last"
+            f"trainer.channels_last=true with parallel.strategy {name}: FSDP2 shards only contiguous "
+            "parameters (torch 2.14); use parallel=ddp or single for channels_last"
         )
-    if par["strategy"] == "single" and world != 1:
+    if strategy is not None and not strategy.distributed and world != 1:
         errors.append(
-            f"parallel=single runs one process, but the world size is {world}: use parallel=ddp or fsdp"
+            f"parallel.strategy {name} runs one process, but the world size is {world}: "
+            "use parallel=ddp or fsdp"
         )
     if isinstance(gbs, int) and gbs > 0 and world >= 1 and gbs % world:
         errors.append(f"trainer.global_batch_size={gbs} is not divisible by the world size {world}")
@@ -196,3 +203,8 @@ def validate(c: dict) -> None:
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def config_hash(resolved: dict) -> str:
+    """The run's identity (of its resolved config): recorded in each commit, compared on resume."""
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,7 +125,14 @@ def shutdown_distributed() -> None:
 
 
 class Single:
-    """One process: nothing to wrap or synchronise."""
+    """One process: nothing to wrap or synchronise. A strategy of your own: a subclass, selected by
+    `parallel.strategy._target_` (its options are the node's other keys)."""
+
+    distributed = False
+    """Whether it runs more than one process (False: the world size must be 1)."""
+
+    shards_parameters = False
+    """Whether parameters are split over the processes (needs more than one; contiguous ones only)."""
 
     def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
         """The module the optimizer trains. `param_dtype`: the compute dtype of mixed precision
@@ -146,6 +154,8 @@ class Single:
 class DDP(Single):
     """A full replica per process; gradients all-reduced in the backward of the last micro-step."""
 
+    distributed = True
+
     def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
         ids = [d.local_rank] if d.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -157,6 +167,9 @@ class DDP(Single):
 class FSDP(Single):
     """FSDP2: fully_shard each block, then the root. Mixed precision is FSDP's: parameters are
     all-gathered in `param_dtype`, gradients reduced in fp32 (a low-precision sum over ranks loses bits)."""
+
+    distributed = True
+    shards_parameters = True
 
     def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -192,16 +205,15 @@ class FSDP(Single):
         return ShardedGradScaler(device.type, enabled=enabled)
 
 
-STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}
-
-
 @dataclass
 class ParallelConfig:
     """Schema of the `parallel` group: how many processes, and how the model is spread over them."""
 
-    strategy: str = MISSING
-    """`single` (one process), `ddp` (a full replica per process, gradients all-reduced) or `fsdp`
-    (parameters, gradients and optimizer state sharded: less memory per process, more communication)."""
+    strategy: Any = MISSING
+    """A `_target_` node (the strategy class, built with hydra.utils.instantiate), one option file
+    each: `single` (goodput.parallel.Single, one process), `ddp` (DDP, a full replica per process,
+    gradients all-reduced) or `fsdp` (FSDP, parameters, gradients and optimizer state sharded: less
+    memory per process, more communication); or a subclass of Single of your own."""
 
     nproc_per_node: int = 1
     """Worker processes per node (GPUs per node on a cluster). Under an external launcher (torchrun,
@@ -229,8 +241,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         e = []
-        if self.strategy not in STRATEGIES:
-            e.append(f"parallel.strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if not (isinstance(self.strategy, dict) and "_target_" in self.strategy):
+            e.append(f"parallel.strategy must be a node with a _target_ (a class), got {self.strategy!r}")
         if self.nproc_per_node < 1:
             e.append(f"parallel.nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:

@@ -38,6 +38,7 @@ from goodput.checkpoint.layout import (
     step_dir,
 )
 from goodput.checkpoint.state import AppState
+from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import signals_blocked
 from goodput.run.monitor import Best
 from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
@@ -52,11 +53,6 @@ class ChecksumMismatch(OSError):
 
 class SaveFailed(RuntimeError):
     pass
-
-
-class IncompatibleCheckpoint(RuntimeError):
-    """An intact checkpoint that cannot continue this run (the dataset changed, another seed or
-    global batch size): an error to show, never a reason to fall back or start fresh."""
 
 
 class CheckpointManager:
@@ -584,10 +580,6 @@ class CheckpointManager:
                 self.storage.mv(name, aside)
                 if self._existing is not None:
                     self._existing.discard(name)
-
-
-def config_hash(resolved: dict) -> str:
-    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _link_if_verified(path: str, dst: str, want: dict) -> str | None:

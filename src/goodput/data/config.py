@@ -1,5 +1,5 @@
-"""Schemas of the `data` group (where samples come from, how they are loaded) and of `dataset` (the
-generated demo data). Defaults live here, once; `conf/data/*.yaml` only say what differs."""
+"""Schemas of the `data` group (where samples come from, how they are loaded) and of `demo_data`
+(the generated demo data). Defaults live here, once; `conf/data/*.yaml` only say what differs."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class DataConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DemoDataConfig:
     """The generated demo dataset (scripts/make_dataset.py); used only when data.root is
     paths.data_dir, whose name is derived from these fields (so a change generates new data)."""
 

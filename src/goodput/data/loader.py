@@ -14,11 +14,11 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
-from goodput.checkpoint.manager import IncompatibleCheckpoint
 from goodput.data import augment as augmentation
 from goodput.data.config import DataConfig
 from goodput.data.dataset import ImageDataset
 from goodput.data.sampler import OrderHash, StepBatchSampler
+from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import obey_parent_only, signals_blocked
 from goodput.storage import Storage
 

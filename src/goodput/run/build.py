@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.config import ConfigError, monitors_logged
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
-from goodput.parallel import STRATEGIES, set_collective_timeout
+from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery, agent_phases, restart_round
@@ -95,7 +95,7 @@ class Trainer:
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         if opts.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        strategy = STRATEGIES[c["parallel"]["strategy"]]()
+        strategy = instantiate(c["parallel"]["strategy"])
         ema = None
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
             ema = make_ema(model, opts.ema_decay)

@@ -16,9 +16,8 @@ import time
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput.checkpoint.manager import config_hash
 from goodput.checkpoint.resume import explicit_checkpoint
-from goodput.config import validate
+from goodput.config import config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
@@ -163,7 +162,7 @@ def _ensure_dataset(c: dict, store) -> None:
     if root == c["paths"]["data_dir"] and read_record(root) is None:  # the demo data: generate it
         if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
-        ds = c["dataset"]
+        ds = c["demo_data"]
         log.info("demo data not found: generating it at %s", root)
         n = make_dataset(
             root, ds["num_classes"], ds["train_per_class"], ds["val_per_class"], ds["image_size"], ds["seed"]
