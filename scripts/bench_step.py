@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from goodput.bench import (
+from benchlib import (
     bar_chart,
     log,
     machine_info,
