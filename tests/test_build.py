@@ -219,6 +219,34 @@ def test_scripts_import_the_installed_package_without_path_edits():
     assert p.returncode == 0 and b"--src" in p.stdout, p.stderr.decode()[-500:]
 
 
+def test_every_name_a_script_imports_exists():
+    """What each script imports at module level exists where it imports it from (the package, the
+    scripts' own benchlib, or an installed library), checked from the source without running it: a
+    module that moved (goodput.bench -> scripts/benchlib.py) breaks a script no test runs."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))  # how a script is run: its own folder first on the path
+    try:
+        for script in sorted((REPO / "scripts").glob("*.py")):
+            for node in ast.parse(script.read_text()).body:
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    mod = importlib.import_module(node.module)
+                    for alias in node.names:
+                        assert (
+                            alias.name == "*"
+                            or hasattr(mod, alias.name)
+                            or importlib.util.find_spec(f"{node.module}.{alias.name}")
+                        ), f"{script.name}:{node.lineno}: {node.module} has no {alias.name}"
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        assert importlib.util.find_spec(alias.name), (
+                            f"{script.name}:{node.lineno}: {alias.name}"
+                        )
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
 def _readers(key: str, attribute: bool = True) -> set[str]:
     """Modules that read `key` as a subscript (`node["key"]`) or, optionally, an attribute (`cfg.key`)."""
     out = set()
