@@ -46,8 +46,19 @@ class FaultConfig:
     """SIGKILL inside this step, between its first and second micro-batch (first attempt only;
     needs gradient accumulation, trainer.micro_batch_size): the half-accumulated step must be redone."""
 
+    slow_rank: int | None = None
+    """A straggler drill: this rank sleeps slow_seconds in every step (after the gradient sync, so
+    its own step time shows it), every attempt; null = off. The straggler warning must name it."""
+
+    slow_seconds: float = 0.2
+    """The slow rank's extra seconds per step (fault.slow_rank)."""
+
     def __post_init__(self):
         e = []
+        if self.slow_rank is not None and not (isinstance(self.slow_rank, int) and self.slow_rank >= 0):
+            e.append(f"fault.slow_rank must be a rank >= 0 or null, got {self.slow_rank!r}")
+        if self.slow_seconds < 0:
+            e.append(f"fault.slow_seconds must be >= 0, got {self.slow_seconds}")
         if self.kill_in_step is not None and self.kill_in_step < 1:
             e.append(f"fault.kill_in_step must be >= 1 or null, got {self.kill_in_step}")
         if self.mtbf_seconds is not None and self.mtbf_seconds < 0:
@@ -69,8 +80,11 @@ class Faults:
         kill_during_save=None,
         target_rank: int = 0,
         kill_in_step=None,
+        slow_rank=None,
+        slow_seconds: float = 0.0,
     ):
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
+        self.slow_s = slow_seconds if slow_rank == rank else 0.0
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
         self.kill_in_step = kill_in_step
         self._random_kill_at, self._attempt = None, 0
@@ -107,6 +121,11 @@ class Faults:
         if self._random_kill_at is not None and time.monotonic() >= self._random_kill_at:
             self._random_kill_at = None
             self._fire(f"random-kill-attempt{self._attempt}")
+
+    def slow_step(self) -> None:
+        """fault.slow_rank: this rank's extra sleep, inside the step's timed span."""
+        if self.slow_s:
+            time.sleep(self.slow_s)
 
     def in_step(self, step: int) -> None:
         """Between two micro-batches of the step after `step` (goodput.run.step): kill_in_step, and
