@@ -335,8 +335,10 @@ class Tracker:
 
     def close(self, status: str = "FINISHED") -> None:
         if self.enabled:
-            if self._system is not None:  # its last samples, written before the run ends
-                self._system.finish()
+            if self._system is not None:  # its last samples, written before the run ends; bounded,
+                done = threading.Thread(target=self._system.finish, daemon=True)  # as the queue is
+                done.start()
+                done.join(timeout=30)
                 self._system = None
             self._closing.set()
             self._q.put(None)
