@@ -92,17 +92,3 @@ def test_a_locked_store_is_retried_not_dropped(tmp_path):
     t.close()
     assert failures == [0]
     assert [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [(7, 1.5)]
-
-
-def test_system_metrics_are_sampled_for_the_run(tmp_path):
-    import time
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id = start_run(uri, "e", "r", {"a": "1"}, None, str(tmp_path / "art"))
-    t = Tracker(uri, run_id, enabled=True, system_metrics_s=0.5)
-    time.sleep(2.5)
-    t.close()
-    metrics = MlflowClient(uri).get_run(run_id).data.metrics
-    assert (
-        "system/cpu_utilization_percentage" in metrics and "system/system_memory_usage_megabytes" in metrics
-    )

@@ -67,28 +67,18 @@ class MlflowConfig:
     """Nest this run under that MLflow run (the `mlflow.parentRunId` tag). Set by the Optuna sweeper
     (hparams_search=...) for each trial: the sweep's parent run groups its trials in the UI."""
 
-    system_metrics_interval_s: float = 10.0
-    """Rank 0 samples CPU, memory, disk, network (and GPU, with pynvml) every this many seconds
-    with MLflow's own system-metrics monitor, on a thread of its own (`system/*` in the UI).
-    0 = off. Each sample is one MLflow write: shorter intervals load a shared SQLite store."""
+    system_metrics_interval_s: float | None = 10.0
+    """MLflow's system metrics (system/*: CPU, memory, disk, network; GPU with nvidia-ml-py) sampled
+    every this many seconds by rank 0's node, on a thread of MLflow's; null or 0 = off. The
+    environment variable MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it (MLflow's rule)."""
 
     def __post_init__(self):
+        if self.system_metrics_interval_s is not None and self.system_metrics_interval_s < 0:
+            raise ValueError(
+                f"mlflow.system_metrics_interval_s must be >= 0 or null, got {self.system_metrics_interval_s}"
+            )
         if self.log_model not in ("final", "best", "none"):
             raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
-
-
-def _system_monitor(uri: str, run_id: str, interval_s: float):
-    """MLflow's system-metrics monitor for the run (continuing its step count after a restart),
-    or None where it cannot run (psutil missing): the run goes on without it."""
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        m = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=uri)
-        m.start()
-        return m
-    except Exception as e:
-        log.warning("MLflow system metrics are off: %s", e)
-        return None
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -244,20 +234,43 @@ def start_run(
     return run.info.run_id
 
 
+def system_monitor(uri: str, run_id: str, interval_s: float):
+    """MLflow's own system metrics monitor, continuing the run's system/* steps after a restart
+    (resume_logging), or None where it cannot start (it must never stop training)."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        m = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=uri)
+        m.start()
+        return m
+    except Exception as e:
+        log.warning("MLflow system metrics are off: %s", e)
+        return None
+
+
 class Tracker:
-    def __init__(self, uri: str | None, run_id: str | None, enabled: bool, system_metrics_s: float = 0.0):
+    def __init__(
+        self,
+        uri: str | None,
+        run_id: str | None,
+        enabled: bool,
+        system_metrics_interval_s: float | None = None,
+    ):
         self.enabled = enabled and uri is not None and run_id is not None
         self.run_id = run_id
         self._system = None
         if not self.enabled:
             return
         self.client = MlflowClient(uri)
-        if system_metrics_s:
-            self._system = _system_monitor(uri, run_id, system_metrics_s)
         self._q: queue.Queue = queue.Queue()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="mlflow-log", daemon=True)
         self._thread.start()
+        if system_metrics_interval_s:
+            # a restarted worker's run was closed FAILED by the last one: MLflow's monitor stops at
+            # once on a run that is not RUNNING, and the run is running again anyway
+            _retry(self.client.update_run, run_id, "RUNNING")
+            self._system = system_monitor(uri, run_id, system_metrics_interval_s)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.enabled:
@@ -322,8 +335,10 @@ class Tracker:
 
     def close(self, status: str = "FINISHED") -> None:
         if self.enabled:
-            if self._system is not None:
-                self._system.finish()
+            if self._system is not None:  # its last samples, written before the run ends; bounded,
+                done = threading.Thread(target=self._system.finish, daemon=True)  # as the queue is
+                done.start()
+                done.join(timeout=30)
                 self._system = None
             self._closing.set()
             self._q.put(None)

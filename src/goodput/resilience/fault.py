@@ -71,13 +71,18 @@ class FaultConfig:
     `dataloader` (a DataLoader worker stops inside a read; needs data.num_workers > 0)."""
 
     slow_rank: int | None = None
-    """Straggler drill: this rank sleeps `slow_seconds` more in every step."""
+    """A straggler drill: this rank sleeps slow_seconds in every step (after the gradient sync, so
+    its own step time shows it), every attempt; null = off. The straggler warning must name it."""
 
-    slow_seconds: float = 0.0
-    """Extra seconds per step on `slow_rank`."""
+    slow_seconds: float = 0.2
+    """The slow rank's extra seconds per step (fault.slow_rank)."""
 
     def __post_init__(self):
         e = []
+        if self.slow_rank is not None and not (isinstance(self.slow_rank, int) and self.slow_rank >= 0):
+            e.append(f"fault.slow_rank must be a rank >= 0 or null, got {self.slow_rank!r}")
+        if self.slow_seconds < 0:
+            e.append(f"fault.slow_seconds must be >= 0, got {self.slow_seconds}")
         if self.kill_in_step is not None and self.kill_in_step < 1:
             e.append(f"fault.kill_in_step must be >= 1 or null, got {self.kill_in_step}")
         if self.mtbf_seconds is not None and self.mtbf_seconds < 0:
@@ -90,8 +95,6 @@ class FaultConfig:
             e.append(f"fault.hang_site must be one of {list(HANG_SITES)}, got {self.hang_site!r}")
         if self.hang_at_step is not None and self.hang_at_step < 1:
             e.append(f"fault.hang_at_step must be >= 1 or null, got {self.hang_at_step}")
-        if self.slow_seconds < 0:
-            e.append(f"fault.slow_seconds must be >= 0, got {self.slow_seconds}")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -105,21 +108,22 @@ class Faults:
         kill_during_save=None,
         target_rank: int = 0,
         kill_in_step=None,
+        slow_rank=None,
+        slow_seconds: float = 0.0,
     ):
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
+        self.slow_s = slow_seconds if slow_rank == rank else 0.0
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
         self.kill_in_step = kill_in_step
         self._random_kill_at, self._attempt = None, 0
         self._chaos, self._chaos_p = None, 0.0
         self.step = 0
         self.hang_at_step, self.hang_site, self.hang_rank = None, "step", 0
-        self.slow_rank, self.slow_seconds = None, 0.0
         self._pid = os.getpid()
         self._worker_reads = 0
 
-    def arm_hang(self, at_step, site: str, rank: int, slow_rank=None, slow_seconds: float = 0.0) -> None:
+    def arm_hang(self, at_step, site: str, rank: int) -> None:
         self.hang_at_step, self.hang_site, self.hang_rank = at_step, site, rank
-        self.slow_rank, self.slow_seconds = slow_rank, slow_seconds
 
     def _hang_due(self, site: str) -> bool:
         return (
@@ -186,8 +190,6 @@ class Faults:
 
     def at_step(self, step: int) -> None:
         self.step = step
-        if self.rank == self.slow_rank and self.slow_seconds:
-            time.sleep(self.slow_seconds)
         for site in ("step", "collective"):
             if self._hang_due(site):
                 self._hang(site)
@@ -198,6 +200,11 @@ class Faults:
         if self._random_kill_at is not None and time.monotonic() >= self._random_kill_at:
             self._random_kill_at = None
             self._fire(f"random-kill-attempt{self._attempt}")
+
+    def slow_step(self) -> None:
+        """fault.slow_rank: this rank's extra sleep, inside the step's timed span."""
+        if self.slow_s:
+            time.sleep(self.slow_s)
 
     def in_step(self, step: int) -> None:
         """Between two micro-batches of the step after `step` (goodput.run.step): kill_in_step, and

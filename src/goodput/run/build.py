@@ -26,6 +26,7 @@ from goodput.resilience.recovery import failure_time as recovery_failure_time
 from goodput.resilience.watchdog import Watchdog
 from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model
 from goodput.run.monitor import EarlyStopping
+from goodput.run.observe import MFU, StepProfiler, StragglerWatch
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
 from goodput.storage import Storage
 from goodput.tracking import Tracker
@@ -95,6 +96,12 @@ class Trainer:
         model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
         if opts.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        size = self.loader.dataset.image_size
+        shape = (3, size, size)  # RGB at the training resolution
+        # FLOPs counted on a copy, before a strategy wraps (FSDP shards the module in place)
+        self.mfu = MFU(
+            model, shape, self.loader.num_classes, d.device, opts.precision, tr["peak_tflops"], d.world
+        )
         strategy = instantiate(c["parallel"]["strategy"])
         ema = None
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
@@ -133,11 +140,10 @@ class Trainer:
             )
         f = c["fault"]
         self.faults = Faults(
-            self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"]
-        )
-        self.faults.arm_hang(
-            f["hang_at_step"], f["hang_site"], f["hang_rank"], f["slow_rank"], f["slow_seconds"]
-        )
+            self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"],
+            slow_rank=f["slow_rank"], slow_seconds=f["slow_seconds"],
+        )  # fmt: skip
+        self.faults.arm_hang(f["hang_at_step"], f["hang_site"], f["hang_rank"])
         self.ckpt.fault = self.faults
         if (
             f["hang_at_step"] is not None
@@ -164,12 +170,14 @@ class Trainer:
             cache.activate()
         self.compile_clock = CompileClock(comp["compile"], cache)
         self.attempts = Attempts(self.ckpt_store)
-        ml = c["mlflow"]
         self.tracker = Tracker(
-            ml["tracking_uri"],
-            c["mlflow_run_id"],
-            enabled=d.rank == 0,
-            system_metrics_s=ml["system_metrics_interval_s"],
+            c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0,
+            system_metrics_interval_s=c["mlflow"]["system_metrics_interval_s"],
+        )  # fmt: skip
+        # docs/observability.md: stragglers, MFU and the profiler (goodput.run.observe)
+        self.stragglers = StragglerWatch(tr["straggler_factor"], tr["straggler_windows"], d.rank)
+        self.profiler = StepProfiler(
+            tr["profile_start_step"], tr["profile_steps"], c["run_dir"], d.rank, d.device, self.tracker
         )
         self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
 

@@ -21,6 +21,7 @@ from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS, GraceTimer
 from goodput.run.compiler import MODES
 from goodput.run.evaluate import default_top_k, evaluate
 from goodput.run.monitor import check_metric
+from goodput.run.observe import gather_ranks, rank_stats
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +198,41 @@ class TrainerConfig:
     for the previous dcp_async upload included), or one is cut short; the time from a hang to the
     resumed run is about this plus a restart. 0 = off."""
 
+    straggler_factor: float = 1.5
+    """Warn when the slowest rank's step time is over this factor x the median rank's (the lower
+    median: with 2 ranks, the other rank) for straggler_windows log windows in a row. Step time
+    is the rank's own: waits inside the gradient all-reduce count on every rank (docs/observability.md)."""
+
+    straggler_windows: int = 3
+    """Consecutive log windows over straggler_factor before the warning (one slow window is noise)."""
+
+    profile_start_step: int | None = None
+    """torch.profiler trace of steps profile_start_step.. (numbered as the metrics' steps; null =
+    off): a Chrome trace per rank (CUDA: also a memory snapshot) in <run_dir>/profiler/, rank 0's
+    logged to MLflow under profiler/. Profiling slows the profiled steps."""
+
+    profile_steps: int = 1
+    """How many steps the profiler records from profile_start_step."""
+
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for perf/mfu; null = from goodput.run.observe's table of
+    known GPUs (H100, H200, A100; by trainer.precision), and no perf/mfu where unknown (CPU)."""
+
     def __post_init__(self):
         e = []
         if self.hang_timeout_s < 0:
             e.append(f"trainer.hang_timeout_s must be >= 0 (0 = off), got {self.hang_timeout_s}")
+        if not self.straggler_factor > 1:
+            e.append(f"trainer.straggler_factor must be > 1, got {self.straggler_factor}")
+        if not (isinstance(self.straggler_windows, int) and self.straggler_windows >= 1):
+            e.append(f"trainer.straggler_windows must be >= 1, got {self.straggler_windows}")
+        s = self.profile_start_step
+        if s is not None and not (isinstance(s, int) and s >= 1):
+            e.append(f"trainer.profile_start_step must be >= 1 or null, got {s!r}")
+        if not (isinstance(self.profile_steps, int) and self.profile_steps >= 1):
+            e.append(f"trainer.profile_steps must be >= 1, got {self.profile_steps!r}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            e.append(f"trainer.peak_tflops must be > 0 or null, got {self.peak_tflops}")
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
             e.append(f"trainer.max_steps must be > 0, got {self.max_steps}")
         if not (isinstance(self.global_batch_size, int) and self.global_batch_size > 0):
@@ -294,20 +326,16 @@ def lr_schedule(warmup_steps: int, max_steps: int, min_ratio: float):
 
 
 def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
-    """Whole-job numbers: images/s over the slowest rank; fetch seconds max and mean across ranks."""
-    t = torch.tensor([step_s, fetch_s, fetch_s, float(images)], dtype=torch.float64)
-    if world > 1:
-        mx = t.clone()
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        dist.all_reduce(t)
-        step_s, fetch_max, fetch_mean, images = mx[0].item(), mx[1].item(), t[2].item() / world, t[3].item()
-    else:
-        fetch_max = fetch_mean = fetch_s
+    """Whole-job numbers from one all_gather per log window: images/s over the slowest rank; fetch
+    seconds max and mean across ranks; step seconds max, median and the slowest rank (stragglers)."""
+    g = gather_ranks([step_s, fetch_s, float(images)], world)  # row r: rank r
+    step_s = g[:, 0].max().item()
     return {
         "perf/step_seconds": step_s,
-        "perf/fetch_seconds": fetch_max,
-        "perf/fetch_seconds_mean": fetch_mean,
-        "perf/images_per_second": images / step_s if step_s > 0 else 0.0,
+        "perf/fetch_seconds": g[:, 1].max().item(),
+        "perf/fetch_seconds_mean": g[:, 1].mean().item(),
+        "perf/images_per_second": g[:, 2].sum().item() / step_s if step_s > 0 else 0.0,
+        **rank_stats(g[:, 0]),
     }
 
 
@@ -330,12 +358,14 @@ def train(t) -> dict:
     t.model.train()
     while step < max_steps:
         early = False
+        t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary
         t0 = time.perf_counter()
         batch = next(t.loader)  # the accelerator idles for exactly this long
         t1 = time.perf_counter()
         x = batch["image"].to(d.device, non_blocking=True)
         y = batch["label"].to(d.device, non_blocking=True)
         loss = t.step(x, y, step)  # forward, backward, optimizer, EMA: goodput.run.step
+        t.faults.slow_step()  # fault.slow_rank: inside the timed step, after the gradient sync
         step += 1
         sync()  # on CUDA: the step's kernels are done, so the clock reads what they took
         compiling = t.compile_clock.take()  # seconds of this step that were torch.compile
@@ -355,6 +385,8 @@ def train(t) -> dict:
             loss_val = loss.item()
             n = window["n"]
             perf = reduce_perf(window["step"] / n, window["fetch"] / n, window["images"] // n, d.world)
+            t.stragglers.check(perf, step)
+            perf.update(t.mfu(perf))
             metrics = {"train/loss": loss_val, "train/lr": t.scheduler.get_last_lr()[0], **t.step.metrics()}
             t.tracker.log({**metrics, **perf}, step)
             t.tracker.log(t.loader.stats(), step)
@@ -397,6 +429,7 @@ def train(t) -> dict:
             break
 
     bar.close()
+    t.profiler.stop()  # a run that ended inside the profiled steps still writes its trace
     stop.restore()
     tw = time.perf_counter()
     t.ckpt.wait()  # the last save must be committed before the process may exit

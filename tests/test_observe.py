@@ -1,0 +1,162 @@
+"""Seeing the step (docs/observability.md): FLOP counts, MFU, stragglers, the profiler trace, and
+MLflow's system metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+from conftest import REPO
+from helpers import run_train
+from mlflow.tracking import MlflowClient
+
+from goodput.run.observe import MFU, StragglerWatch, flops_per_sample, rank_stats
+from goodput.tracking import Tracker, start_run
+
+CPU = torch.device("cpu")
+
+
+def test_flops_per_sample_match_a_hand_count():
+    # Linear(10, 5): forward 2*10*5 = 100 per sample; backward only the weight's gradient (the input
+    # needs none): another 100. The bias add is not a matmul and is not counted.
+    assert flops_per_sample(torch.nn.Linear(10, 5), (10,), 5, CPU) == 200
+    # Conv2d(3, 4, 3) on 8x8 -> 4x6x6: forward 2 * (4*6*6) * (3*3*3) = 7776, its weight gradient
+    # the same (no input gradient); Linear(144, 5): forward 1440, input and weight gradients 1440 each.
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert flops_per_sample(m, (3, 8, 8), 5, CPU) == 2 * 7776 + 3 * 1440
+    # counted on a copy: the model's weights, gradients and the RNG are untouched
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert all(p.grad is None for p in m.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_mfu_needs_a_known_peak():
+    m = torch.nn.Linear(10, 5)
+    perf = {"perf/images_per_second": 1e9}
+    got = MFU(m, (10,), 5, CPU, "32", 0.5, world=2)(perf)  # 200 FLOPs x 1e9/s over 2 x 0.5e12
+    assert got == {"perf/mfu": pytest.approx(200 * 1e9 / (2 * 0.5e12))}
+    assert MFU(m, (10,), 5, CPU, "32", None, world=2)(perf) == {}  # CPU: no table entry, no metric
+
+
+def test_straggler_watch_names_the_rank_after_consecutive_windows(caplog):
+    w = StragglerWatch(factor=1.5, windows=2, rank=0)
+    fast = rank_stats(torch.tensor([0.10, 0.11, 0.10, 0.12], dtype=torch.float64))
+    slow = rank_stats(torch.tensor([0.10, 0.10, 0.31, 0.11], dtype=torch.float64))
+    assert slow["perf/slowest_rank"] == 2 and slow["perf/step_seconds_median"] == 0.10  # the lower median
+    with caplog.at_level(logging.WARNING, logger="goodput.run.observe"):
+        for step, perf in enumerate([slow, fast, slow, slow, slow, fast, slow], 1):
+            w.check(perf, step)
+    # one slow window alone is noise; the streak at windows 3-5 warns once, at its second window
+    assert w.warned == [(2, 4)]
+    assert "straggler: rank 2" in caplog.text
+    # two ranks: the slowest against the other one (the mean of both can never be exceeded twice)
+    two = rank_stats(torch.tensor([0.1, 0.3], dtype=torch.float64))
+    assert two["perf/step_seconds_median"] == 0.1 and two["perf/slowest_rank"] == 1
+
+
+def _system_steps(client, run_id):
+    hist = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    return sorted(m.step for m in hist)
+
+
+def test_system_metrics_continue_the_run_across_restarts(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, "obs", "r", {}, None)
+    client = MlflowClient(uri)
+    for attempt in range(2):  # a worker, then its restart (the first closed the run FAILED)
+        t = Tracker(uri, run_id, enabled=True, system_metrics_interval_s=0.1)
+        time.sleep(0.6)
+        t.close("FAILED" if attempt == 0 else "FINISHED")
+        steps = _system_steps(client, run_id)
+        assert steps, f"attempt {attempt}: no system/ metrics"
+        if attempt == 0:
+            first = steps
+    assert len(steps) > len(first) and steps == sorted(set(steps))  # appended, no step twice
+    keys = client.get_run(run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(keys)
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The job in this process, one rank (as tests/test_keys.py runs it), its process-wide state put back."""
+    import torch.distributed.launcher.api as elastic_api
+
+    from goodput.parallel import LAUNCHER_ENV
+    from goodput.run import launch, worker
+
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(elastic_api, "elastic_launch", lambda lc, fn: lambda *a: {0: fn(*a)})
+    monkeypatch.setattr(launch, "preload_forkserver", lambda: None)
+    monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)
+    monkeypatch.setattr(worker, "plot", lambda *a: None)
+    root = logging.getLogger()
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        root.level,
+        root.handlers[:],
+    )
+    yield
+    torch.set_num_threads(saved[0])
+    torch.use_deterministic_algorithms(saved[1])
+    root.setLevel(saved[2])
+    root.handlers[:] = saved[3]
+
+
+def _run_job(root, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from goodput.run import job, launch
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", f"paths.root={root}", *overrides])
+    c, lock = job.prepare(cfg, str(root / "run"))
+    try:
+        return launch.launch(c), c
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def test_profiler_trace_mfu_and_system_metrics_reach_mlflow(tmp_path, one_process):
+    summary, c = _run_job(
+        tmp_path, "trainer.profile_start_step=3", "trainer.profile_steps=2", "trainer.peak_tflops=1.0",
+        "mlflow.system_metrics_interval_s=0.2",
+    )  # fmt: skip
+    trace = json.loads((tmp_path / "run" / "profiler" / "trace-rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"ProfilerStep#3", "ProfilerStep#4"} <= names and "ProfilerStep#5" not in names
+    step3 = next(e for e in trace["traceEvents"] if e.get("name") == "ProfilerStep#3")
+    inside = [e for e in trace["traceEvents"] if e.get("name", "").startswith("aten::convolution")
+              and step3["ts"] <= e["ts"] <= step3["ts"] + step3["dur"]]  # fmt: skip
+    assert inside, "no convolution inside the profiled step"
+
+    client = MlflowClient(c["mlflow"]["tracking_uri"])
+    run_id = summary["mlflow_run_id"]
+    assert [a.path for a in client.list_artifacts(run_id, "profiler")] == ["profiler/trace-rank0.json"]
+    metrics = client.get_run(run_id).data.metrics
+    mfu = client.get_metric_history(run_id, "perf/mfu")
+    assert mfu and all(0 < m.value < 1 for m in mfu)
+    assert {"perf/step_seconds_max", "perf/step_seconds_median", "perf/slowest_rank"} <= set(metrics)
+    assert any(k.startswith("system/") for k in metrics)
+
+
+@pytest.mark.slow
+def test_straggler_drill_names_the_slow_rank(tmp_path):
+    """2-rank DDP: rank 1 sleeps 0.3 s per step: the warning names it. The same job without the
+    drill warns of none: tests/test_parallel.py's ddp_reference asserts it (a run the suite has)."""
+    drill = ["fault.slow_rank=1", "fault.slow_seconds=0.3", "trainer.straggler_windows=2"]
+    p, s = run_train(tmp_path, "parallel=ddp", "checkpoint=torch_save", *drill)
+    log = p.stdout + p.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = s["mlflow_run_id"]
+    slowest = [m.value for m in client.get_metric_history(run_id, "perf/slowest_rank")]
+    assert slowest == [1.0] * 6  # 12 steps, a window every 2
+    assert "straggler: rank 1 is slower" in log and "straggler: rank 0" not in log
+    assert "perf/mfu" not in client.get_run(run_id).data.metrics  # CPU, no trainer.peak_tflops
