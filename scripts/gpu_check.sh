@@ -168,7 +168,7 @@ fi
 only=fp32,compile
 [ "$has_precision" = 1 ] && only=fp32,bf16+compile  # the comparison: bf16 + compile vs fp32 eager
 if [ "$CUDA" = 1 ]; then
-  bench=(--models resnet18 --steps 30 --batch 128 --image-size 64 --set dataset.train_per_class=100
+  bench=(--models resnet18 --steps 30 --batch 128 --image-size 64 --set demo_data.train_per_class=100
          --only "$only" --restart-models small_cnn)
 else  # what a CPU runs in a minute or two: the script's path, not a measurement
   bench=(--models small_cnn --steps 5 --batch 16 --image-size 16 --only "$only" --restart-models "")

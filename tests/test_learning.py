@@ -13,7 +13,7 @@ from conftest import run_train
 # Two classes of the demo data (disc, square), no augmentation, AdamW after a 3-step warm-up: 30 steps
 # of 16 = 6 epochs of the 80 training images. Deterministic on CPU (seeded), so the bound is not flaky.
 LEARNABLE = (
-    "dataset.num_classes=2", "augment=none", "optim=adamw", "optim.schedule.warmup_steps=3",
+    "demo_data.num_classes=2", "augment=none", "optim=adamw", "optim.schedule.warmup_steps=3",
     "trainer.max_steps=30", "checkpoint=dcp_sync",
 )  # fmt: skip
 
