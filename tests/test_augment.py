@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, run_train
+from helpers import REPO, run_train
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torchvision.transforms import v2

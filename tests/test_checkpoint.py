@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_train
+from helpers import run_train
 
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.model import SmallCNN, model_sha256

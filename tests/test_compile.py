@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import run_train
+from helpers import run_train
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.checkpoint import AppState

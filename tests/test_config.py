@@ -9,7 +9,7 @@ import re
 import shutil
 
 import pytest
-from conftest import REPO, run_train
+from helpers import REPO, run_train
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class

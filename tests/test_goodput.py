@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from goodput.resilience.accounting import Attempts, Ledger
 from goodput.storage import Storage

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_train
+from helpers import REPO, run_train
 
 from goodput.resilience.fault import FaultConfig
 from goodput.resilience.watchdog import HUNG_EXIT, hung_seconds

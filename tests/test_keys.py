@@ -47,7 +47,7 @@ import sys
 from collections import defaultdict
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import OmegaConf

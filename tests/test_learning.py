@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 # Two classes of the demo data (disc, square), no augmentation, AdamW after a 3-step warm-up: 30 steps
 # of 16 = 6 epochs of the 80 training images. Deterministic on CPU (seeded), so the bound is not flaky.

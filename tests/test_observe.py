@@ -9,8 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
-from helpers import run_train
+from helpers import REPO, run_train
 from mlflow.tracking import MlflowClient
 
 from goodput.run.observe import MFU, StragglerWatch, flops_per_sample, rank_stats

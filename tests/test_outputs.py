@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO, run_train
+from helpers import REPO, run_train
 from hydra import compose, initialize_config_dir
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (dist1 is a fixture)
 

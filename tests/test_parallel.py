@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, latest_summary, run_train
+from helpers import REPO, TRAIN, latest_summary, run_train
 
 from goodput.parallel import without_launcher_env
 

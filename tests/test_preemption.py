@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_train, start_train, train_cmd
+from helpers import run_train, start_train, train_cmd
 
 from goodput.checkpoint.layout import local_commits
 

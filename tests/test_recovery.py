@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.resilience.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize

@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import final_checkpoint_state, run_train, start_train, train_cmd
+from helpers import final_checkpoint_state, run_train, start_train, train_cmd
 
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.tracking import ensure_store, start_run

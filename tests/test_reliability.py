@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, final_checkpoint_state, run_train, train_cmd
+from helpers import REPO, final_checkpoint_state, run_train, train_cmd
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint import SaveFailed

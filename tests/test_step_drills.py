@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TRAIN, entry_env, latest_summary, run_train
+from helpers import REPO, TRAIN, entry_env, latest_summary, run_train
 from test_parallel import FORGET_WEIGHTS
 
 pytestmark = pytest.mark.slow

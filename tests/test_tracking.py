@@ -7,7 +7,7 @@ import subprocess
 import threading
 import time
 
-from conftest import REPO
+from helpers import REPO
 from mlflow.tracking import MlflowClient
 
 from goodput.tracking import Tracker, source_tags, start_run

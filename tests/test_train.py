@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import REPO, latest_summary, run_train
+from helpers import REPO, latest_summary, run_train
 from mlflow.tracking import MlflowClient
 
 SUMMARY_KEYS = {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import REPO, run_train
+from helpers import REPO, run_train
 from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
