@@ -44,7 +44,7 @@ from benchlib import (
     write_json,
 )
 from goodput.parallel import without_launcher_env
-from goodput.run.loop import TrainerConfig
+from goodput.run.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "scripts" / "train.py")

@@ -152,7 +152,7 @@ fi
 
 # -- compile (bf16 + compile) ------------------------------------------------------------------------
 over=(trainer.compile=true checkpoint=dcp_sync)
-has_precision=$("$PY" -c "import dataclasses; from goodput.run.loop import TrainerConfig as T; print(int('precision' in {f.name for f in dataclasses.fields(T)}))")
+has_precision=$("$PY" -c "import dataclasses; from goodput.run.config import TrainerConfig as T; print(int('precision' in {f.name for f in dataclasses.fields(T)}))")
 [ "$has_precision" = 1 ] && over+=(trainer.precision=bf16-mixed)
 if train compile "${over[@]}"; then
   c=$(summary compile "round(s['goodput']['compile_seconds'], 1)")

@@ -161,7 +161,7 @@ def test_schedules_from_target_nodes():
     import torch
     from hydra.utils import instantiate
 
-    from goodput.run.loop import lr_schedule
+    from goodput.run.schedule import lr_schedule
 
     params = [torch.nn.Parameter(torch.zeros(1))]
     c = OmegaConf.to_container(_compose(["optim/schedule=step", "optim.schedule.step_size=2"]), resolve=True)

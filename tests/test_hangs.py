@@ -52,7 +52,7 @@ def test_watchdog_ends_a_rank_stuck_in_cpp_naming_rank_step_and_stack():
 GRACE = (
     """
 import os, signal, threading, time
-from goodput.run.loop import StopSignal
+from goodput.resilience.preemption import StopSignal
 stop = StopSignal(grace_s=1.0)
 def notice():
     time.sleep(1.0)  # the main thread is stuck by then

@@ -515,7 +515,7 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     from hydra.core.config_store import ConfigStore
 
     from goodput.run import loop
-    from goodput.run.loop import TrainerConfig
+    from goodput.run.config import TrainerConfig
 
     @dataclasses.dataclass
     class Planted(TrainerConfig):

@@ -154,7 +154,7 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
 
 STOP_SCRIPT = """
 import os, signal, sys, time
-from goodput.run.loop import StopSignal
+from goodput.resilience.preemption import StopSignal
 stop = StopSignal(grace_s=float(sys.argv[1]))
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)

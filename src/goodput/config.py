@@ -1,7 +1,7 @@
 """The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
 
 Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
-goodput.data.augment, goodput.run.loop, goodput.parallel, goodput.resilience.fault, goodput.storage,
+goodput.data.augment, goodput.run.config, goodput.parallel, goodput.resilience.fault, goodput.storage,
 goodput.tracking); the ones that belong to the job as a whole are here. Group files start from
 their schema (`defaults: [base]`) and say only what differs, so a mistyped key in a file or an
 override fails at compose time, naming the key and the file. Defaults, documentation and checks
@@ -28,7 +28,7 @@ from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig, DemoDataConfig
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
-from goodput.run.loop import ScheduleConfig, TrainerConfig
+from goodput.run.config import ScheduleConfig, TrainerConfig
 from goodput.run.monitor import check_logged
 from goodput.storage import StorageConfig
 from goodput.tracking import MlflowConfig
@@ -89,7 +89,7 @@ class OptimConfig:
     """A `_target_` node with `_partial_: true`, called with the model's parameters."""
 
     schedule: Any = None
-    """Filled by the `optim/schedule` group (goodput.run.loop.ScheduleConfig is the default's schema)."""
+    """Filled by the `optim/schedule` group (goodput.run.config.ScheduleConfig is the default's schema)."""
 
 
 # group -> schema. The file-based groups' options start with `defaults: [base]`; the others are

@@ -25,7 +25,7 @@ PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float1
 
 @dataclass
 class StepOptions:
-    """The `trainer` keys the step acts on (validated by goodput.run.loop.TrainerConfig)."""
+    """The `trainer` keys the step acts on (validated by goodput.run.config.TrainerConfig)."""
 
     precision: str = "32"
     micro_batch_size: int | None = None
