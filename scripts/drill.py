@@ -5,6 +5,7 @@ python scripts/drill.py --mtbf 10 --kills 2 -- checkpoint=dcp_sync checkpoint.ev
 python scripts/drill.py --compare   # torch_save (long interval) vs dcp_sync / dcp_async (short)
 python scripts/drill.py --preset mtbf60   # a failure every ~60 s over a >= 10 minute 2-rank demo job
 python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
+python scripts/drill.py --mtbf 60 --kills 3 --hang-mtbf 60 --hangs 2 --hang-rank 1 -- parallel=ddp  # both
 
 Each faulty run is supervised by the elastic agent (parallel.max_restarts), so restarts are automatic;
 the clean run has no faults. Prints goodput, lost work, restarts and stalls, whether the final
@@ -128,6 +129,12 @@ def main() -> None:
         "--hang", metavar="SITE@STEP", help="also hang one rank once: fault.hang_site at fault.hang_at_step "
         "(step, collective, storage_read, storage_write, dataloader)",
     )  # fmt: skip
+    p.add_argument(
+        "--hang-mtbf", type=float, metavar="SECONDS",
+        help="random hangs with this mean time between them (fault.hang_mtbf_seconds), at --hang-site",
+    )  # fmt: skip
+    p.add_argument("--hangs", type=int, default=1, help="at most this many random hangs (fault.max_hangs)")
+    p.add_argument("--hang-site", default="step", help="fault.hang_site of --hang-mtbf's hangs")
     p.add_argument("--hang-rank", type=int, default=0, help="the rank that hangs (fault.hang_rank)")
     p.add_argument(
         "--hang-timeout", type=float, default=5.0, help="trainer.hang_timeout_s of the faulty runs"
@@ -140,13 +147,20 @@ def main() -> None:
         a.mtbf, a.kills, a.overrides = pre["mtbf"], pre["kills"], [*pre["overrides"], *a.overrides]
     if a.mtbf <= 0 or a.kills < 0:
         p.error("--mtbf must be > 0 and --kills >= 0")
+    if a.hang and a.hang_mtbf:
+        p.error("--hang (one hang at a step) and --hang-mtbf (random hangs) are exclusive")
+    hangs = bool(a.hang) + (a.hangs if a.hang_mtbf else 0)
 
     tag = time.strftime("%Y%m%d-%H%M%S")
     faults = [
         f"fault.mtbf_seconds={a.mtbf}",
         f"fault.max_kills={a.kills}",
-        f"parallel.max_restarts={a.kills + 1 + bool(a.hang)}",
+        f"parallel.max_restarts={a.kills + 1 + hangs}",
     ]
+    if a.hang_mtbf:
+        faults += [f"fault.hang_site={a.hang_site}", f"fault.hang_mtbf_seconds={a.hang_mtbf}",
+                   f"fault.max_hangs={a.hangs}", f"fault.hang_rank={a.hang_rank}",
+                   f"trainer.hang_timeout_s={a.hang_timeout}"]  # fmt: skip
     if a.hang:
         site, _, at = a.hang.partition("@")
         if not at.isdecimal():
@@ -165,6 +179,8 @@ def main() -> None:
     phases, recovery = [], {}
     for label, extra in variants.items():
         hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
+        if a.hang_mtbf:
+            hang = f", hangs at {a.hang_site} with mean {a.hang_mtbf:g}s (at most {a.hangs})"
         print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
         s = run(a.root, f"drill-{tag}/{label}", [*a.overrides, *extra, *faults, f"seed={a.seed}"])
         rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
@@ -182,6 +198,8 @@ def main() -> None:
         "max_kills": a.kills,
         "hang": a.hang,
         "hang_rank": a.hang_rank,
+        "hang_mtbf_seconds": a.hang_mtbf,
+        "max_hangs": a.hangs if a.hang_mtbf else None,
         "overrides": a.overrides,
         "rows": rows,
         "recovery": recovery,

@@ -168,3 +168,46 @@ def test_collectives_after_the_first_step_fail_within_the_collective_timeout():
             p.kill()
     assert "failed after" in out, out
     assert float(out.split("failed after ")[1].split("s")[0]) < 5.0, out
+
+
+class Hung(Exception):
+    pass
+
+
+def test_random_hangs_are_seeded_per_attempt_and_stop_at_max_hangs(tmp_path, monkeypatch):
+    """fault.hang_mtbf_seconds: each attempt of the hang rank draws its hang time from (seed,
+    attempt), hangs once it is due, and no attempt hangs after max_hangs markers."""
+    import goodput.resilience.fault as fault
+    from goodput.storage import Storage
+
+    def raise_hung():
+        raise Hung
+
+    monkeypatch.setattr(fault, "hang_forever", raise_hung)
+    store = Storage(str(tmp_path))
+    clock = [1000.0]
+    monkeypatch.setattr(fault.time, "monotonic", lambda: clock[0])
+
+    def attempt(n: int, rank: int = 1) -> fault.Faults:
+        f = fault.Faults(store, rank)
+        f.arm_hang(None, "step", 1, mtbf_seconds=60.0, max_hangs=2)
+        f.arm_random(None, 0, seed=3, attempt=n)
+        return f
+
+    a0, again = attempt(0), attempt(0)
+    assert a0._hang_at_time is not None and a0._hang_at_time == again._hang_at_time  # seeded
+    assert attempt(1)._hang_at_time != a0._hang_at_time  # a new draw per attempt
+    assert attempt(0, rank=0)._hang_at_time is None  # only fault.hang_rank hangs
+    clock[0] = a0._hang_at_time - 0.01
+    a0.at_step(5)  # not due yet: returns
+    clock[0] = a0._hang_at_time
+    with pytest.raises(Hung):
+        a0.at_step(6)
+    assert (tmp_path / "faults" / "hang-random-attempt0-step.fired").exists()
+    a1 = attempt(1)
+    clock[0] = a1._hang_at_time
+    with pytest.raises(Hung):
+        a1.at_step(7)
+    assert attempt(2)._hang_at_time is None  # two hangs fired: max_hangs reached
+    with pytest.raises(ValueError, match="hang_mtbf_seconds"):
+        FaultConfig(hang_mtbf_seconds=10.0, hang_site="dataloader")

@@ -77,6 +77,14 @@ class FaultConfig:
     slow_seconds: float = 0.2
     """The slow rank's extra seconds per step (fault.slow_rank)."""
 
+    hang_mtbf_seconds: float | None = None
+    """Random hangs: each attempt, `hang_rank` hangs at `hang_site` after an exponential time with
+    this mean (seeded by `seed` and the attempt, like mtbf_seconds' kills), `max_hangs` per run at
+    most. Not at the `dataloader` site (its workers start before the attempt's schedule is drawn)."""
+
+    max_hangs: int = 1
+    """At most this many random hangs (hang_mtbf_seconds) per run, counted by their markers."""
+
     def __post_init__(self):
         e = []
         if self.slow_rank is not None and not (isinstance(self.slow_rank, int) and self.slow_rank >= 0):
@@ -95,6 +103,12 @@ class FaultConfig:
             e.append(f"fault.hang_site must be one of {list(HANG_SITES)}, got {self.hang_site!r}")
         if self.hang_at_step is not None and self.hang_at_step < 1:
             e.append(f"fault.hang_at_step must be >= 1 or null, got {self.hang_at_step}")
+        if self.hang_mtbf_seconds is not None and self.hang_mtbf_seconds <= 0:
+            e.append(f"fault.hang_mtbf_seconds must be > 0 or null, got {self.hang_mtbf_seconds}")
+        if self.hang_mtbf_seconds is not None and self.hang_site == "dataloader":
+            e.append("fault.hang_mtbf_seconds does not work with hang_site=dataloader (use hang_at_step)")
+        if self.max_hangs < 0:
+            e.append(f"fault.max_hangs must be >= 0, got {self.max_hangs}")
         if e:
             raise ValueError("\n  - ".join(e))
 
@@ -119,24 +133,30 @@ class Faults:
         self._chaos, self._chaos_p = None, 0.0
         self.step = 0
         self.hang_at_step, self.hang_site, self.hang_rank = None, "step", 0
+        self._hang_mtbf, self._max_hangs, self._hang_at_time = None, 0, None
         self._pid = os.getpid()
         self._worker_reads = 0
 
-    def arm_hang(self, at_step, site: str, rank: int) -> None:
+    def arm_hang(
+        self, at_step, site: str, rank: int, mtbf_seconds: float | None = None, max_hangs: int = 0
+    ) -> None:
         self.hang_at_step, self.hang_site, self.hang_rank = at_step, site, rank
+        self._hang_mtbf, self._max_hangs = mtbf_seconds, max_hangs
 
-    def _hang_due(self, site: str) -> bool:
-        return (
-            self.hang_at_step is not None
-            and self.hang_site == site
-            and self.rank == self.hang_rank
-            and self.step >= self.hang_at_step
-        )
+    def _hang_due(self, site: str) -> str | None:
+        """The marker of the hang due here now (None: none is): the step's, or the random one's."""
+        if self.hang_site != site or self.rank != self.hang_rank:
+            return None
+        if self.hang_at_step is not None and self.step >= self.hang_at_step:
+            return f"hang-{site}-{self.hang_at_step}"
+        if self._hang_at_time is not None and time.monotonic() >= self._hang_at_time:
+            return f"hang-random-attempt{self._attempt}-{site}"
+        return None
 
-    def _hang(self, site: str) -> None:
+    def _hang(self, site: str, name: str) -> None:
         """Mark the hang as done for this run (a restart runs on), then never return."""
-        marker = f"faults/hang-{site}-{self.hang_at_step}.fired"
-        self.hang_at_step = None  # also keeps the marker's own write from hanging here
+        marker = f"faults/{name}.fired"
+        self.hang_at_step = self._hang_at_time = None  # also keeps the marker's own write from hanging here
         if self.storage.exists(marker):
             return
         info = {"time": time.time(), "rank": self.rank, "attempt": self._attempt, "step": self.step}
@@ -158,11 +178,12 @@ class Faults:
             if self.hang_site == "dataloader" and self.rank == self.hang_rank and kind == "read":
                 self._worker_reads += 1
                 if self.hang_at_step is not None and self._worker_reads > self.hang_at_step:
-                    self._hang("dataloader")  # after hang_at_step reads: well into the run
+                    # after hang_at_step reads: well into the run
+                    self._hang("dataloader", f"hang-dataloader-{self.hang_at_step}")
             return
         for site, kinds in _STORAGE_OPS.items():
-            if kind in kinds and self._hang_due(site):
-                self._hang(site)
+            if kind in kinds and (name := self._hang_due(site)):
+                self._hang(site, name)
 
     def _fire(self, name: str) -> None:
         marker = f"faults/{name}.fired"
@@ -191,8 +212,8 @@ class Faults:
     def at_step(self, step: int) -> None:
         self.step = step
         for site in ("step", "collective"):
-            if self._hang_due(site):
-                self._hang(site)
+            if name := self._hang_due(site):
+                self._hang(site, name)
         if self.rank != self.target_rank:
             return
         if self.kill_at_step is not None and step == self.kill_at_step:
@@ -229,11 +250,26 @@ class Faults:
         """Kill this attempt after an exponential time with mean `mtbf_seconds`, seeded by (seed,
         attempt), so a drill is repeatable; at most `max_kills` kills over the run."""
         self._attempt = attempt
+        self._arm_random_hang(seed, attempt)
         if not mtbf_seconds or attempt >= max_kills or self.rank != self.target_rank:
             return
         delay = random.Random(seed * 1_000_003 + attempt).expovariate(1.0 / mtbf_seconds)
         self._random_kill_at = time.monotonic() + delay
         log.warning("fault drill: this attempt will be killed in %.1fs (mtbf %.1fs)", delay, mtbf_seconds)
+
+    def _arm_random_hang(self, seed: int, attempt: int) -> None:
+        """fault.hang_mtbf_seconds: this attempt hangs after an exponential delay seeded by (seed,
+        attempt), unless the run's markers already hold max_hangs random hangs."""
+        self._hang_at_time = None
+        if not self._hang_mtbf or self.rank != self.hang_rank:
+            return
+        done = sum(n.startswith("hang-random-") for n in self.storage.ls("faults"))
+        if done >= self._max_hangs:
+            return
+        delay = random.Random(f"hang:{seed}:{attempt}").expovariate(1.0 / self._hang_mtbf)
+        self._hang_at_time = time.monotonic() + delay
+        log.warning("fault drill: this attempt will hang (%s) in %.1fs (hang mtbf %.1fs)",
+                    self.hang_site, delay, self._hang_mtbf)  # fmt: skip
 
     def during_save(self, step: int) -> None:
         if (

@@ -143,10 +143,12 @@ class Trainer:
             self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"],
             slow_rank=f["slow_rank"], slow_seconds=f["slow_seconds"],
         )  # fmt: skip
-        self.faults.arm_hang(f["hang_at_step"], f["hang_site"], f["hang_rank"])
+        self.faults.arm_hang(
+            f["hang_at_step"], f["hang_site"], f["hang_rank"], f["hang_mtbf_seconds"], f["max_hangs"]
+        )
         self.ckpt.fault = self.faults
         if (
-            f["hang_at_step"] is not None
+            f["hang_at_step"] is not None or f["hang_mtbf_seconds"] is not None
         ):  # hang drills inside storage calls: reads of the data, writes of saves
             site = f["hang_site"]
             (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
