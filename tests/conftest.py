@@ -17,6 +17,8 @@ from helpers import (  # noqa: F401  (re-exported)
     train_cmd,
 )
 
+from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
+
 
 @pytest.fixture(scope="session")
 def smoke_reference(tmp_path_factory):
@@ -65,3 +67,13 @@ def s3_bucket(s3_endpoint, request):
     fs.mkdir(name)
     s3fs.S3FileSystem.clear_instance_cache()
     return name
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    """A one-process gloo group (world 1) for the checkpoint manager's collectives, per test module."""
+    for k in LAUNCHER_ENV:
+        os.environ.pop(k, None)
+    d = init_distributed()
+    yield d
+    shutdown_distributed()

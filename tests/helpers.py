@@ -92,3 +92,19 @@ def final_checkpoint_state(ckpt_dir) -> tuple[str, str]:
     model = SmallCNN(num_classes=10, width=32)
     model.load_state_dict(model_sd)
     return model_sha256(model), data["sample_order_sha256"]
+
+
+def check_config_change(c: dict, change: dict, message: str | None) -> None:
+    """`c` with each group of `change` updated validates (message None), or fails naming `message`."""
+    import re
+
+    import pytest
+
+    from goodput.config import ConfigError, validate
+
+    bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
+    if message is None:
+        validate(bad)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(bad)

@@ -11,17 +11,7 @@ from helpers import run_train
 
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.model import SmallCNN, model_sha256
-from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
 from goodput.storage import Storage
-
-
-@pytest.fixture(scope="module")
-def dist1():
-    for k in LAUNCHER_ENV:
-        os.environ.pop(k, None)
-    d = init_distributed()
-    yield d
-    shutdown_distributed()
 
 
 class Counter:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from helpers import REPO, final_checkpoint_state, run_train, train_cmd
-from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
+from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource

@@ -10,24 +10,16 @@ import re
 
 import pytest
 import torch
+from helpers import check_config_change
 from test_checkpoint import manager
 
 from goodput.checkpoint import BACKENDS, AppState
 from goodput.checkpoint.state import decode, encode
 from goodput.model import SmallCNN
-from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
+from goodput.parallel import Single
 from goodput.run.step import Step, StepOptions, make_ema
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def dist1():
-    for k in LAUNCHER_ENV:
-        os.environ.pop(k, None)
-    d = init_distributed()
-    yield d
-    shutdown_distributed()
 
 
 class Recording(Single):
@@ -213,8 +205,6 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
     from omegaconf import OmegaConf
     from test_config import _compose
 
-    from goodput.config import ConfigError, validate
-
     c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)  # batch 16
     DDP2 = {"strategy": {"_target_": "goodput.parallel.DDP"}, "nproc_per_node": 2}
     FSDP2 = {"strategy": {"_target_": "goodput.parallel.FSDP"}, "nproc_per_node": 2}
@@ -238,12 +228,7 @@ def test_bad_step_config_fails_at_validation_naming_the_key():
         ({"trainer": {"channels_last": True}, "parallel": FSDP2},
          "trainer.channels_last=true with parallel.strategy goodput.parallel.FSDP"),
     ]:  # fmt: skip
-        bad = {**c, **{k: {**c[k], **v} for k, v in change.items()}}
-        if message is None:
-            validate(bad)
-            continue
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            validate(bad)
+        check_config_change(c, change, message)
 
 
 def _fsdp_rank(rank: int, port: int, out: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from helpers import REPO, run_train
-from test_checkpoint import dist1, make_app, manager  # noqa: F401  (fixture re-export)
+from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
 from goodput.checkpoint.manager import SaveFailed
