@@ -123,7 +123,7 @@ def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
         ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be > 0"),
         ("data.root=/nonexistent/data", "/nonexistent/data has no train/ folder"),
         ("data.root=nosuchproto://x/y", "unknown storage protocol 'nosuchproto://'"),
-        ("parallel=fsdp parallel.nproc_per_node=1", "parallel=fsdp needs more than one process"),
+        ("parallel=fsdp parallel.nproc_per_node=1", "shards parameters: it needs more than one process"),
         ("parallel=ddp trainer.global_batch_size=15", "not divisible by the world size 2"),
         ("parallel=ddp parallel.nproc_per_node=64", "more processes than this machine can run"),
     ],
