@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
     if hc.mode == RunMode.MULTIRUN:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
-        c, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
+        c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
     except AlreadyDone as e:
         log.info("%s", e)
         return
@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> float | None:
         log.error("%s", e)
         sys.exit(2)
     try:
-        summary = launch(c)
+        summary = launch(c, ctx)
     except (RendezvousUnreachable, IncompatibleCheckpoint) as e:
         log.error("%s", e)
         sys.exit(2)
@@ -60,12 +60,8 @@ def main(cfg: DictConfig) -> float | None:
             summary["val_accuracy"],
             100 * summary["goodput"]["goodput"],
         )
-        log.info("summary: %s", os.path.join(c["run_dir"], "summary.json"))
-        log.info(
-            "MLflow: %s (run %s) - open it with `make mlflow-ui`",
-            c["mlflow"]["tracking_uri"],
-            c["mlflow_run_id"],
-        )
+        log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
+        log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
         metric = hc.sweeper.get("metric")  # the Optuna sweeper's objective (hparams_search=...)
         if metric is not None:
             return (summary.get("val") or {}).get(metric)

@@ -22,14 +22,15 @@ from omegaconf import OmegaConf
 from goodput.checkpoint import CheckpointConfig
 from goodput.checkpoint.backends import DCPAsync, DCPSync
 from goodput.config import ConfigError, validate
-from goodput.data.config import DataConfig
 from goodput.data.dataset import CsvManifest, DataRootError, ImageFolder
 from goodput.data.loader import ResumableLoader
 from goodput.data.sources import RemoteSource
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
 from goodput.resilience.accounting import Attempts, Ledger, process_start
+from goodput.resilience.fault import FaultConfig
 from goodput.run import build
+from goodput.run.context import RunContext
 from goodput.run.worker import begin_attempt
 from goodput.storage import Storage
 
@@ -40,9 +41,7 @@ IMPORTED = time.time()  # this test module is imported long after the pytest pro
 def _config(tmp_path, overrides=()) -> dict:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.root={tmp_path}", *overrides])
-    c = OmegaConf.to_container(cfg, resolve=True)
-    c["run_dir"] = str(tmp_path / "run")
-    return c
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 class TaggedStorage(Storage):
@@ -52,8 +51,8 @@ class TaggedStorage(Storage):
 def test_storage_node_opens_the_data_root_and_the_checkpoint_dir(tmp_path):
     c = _config(tmp_path, ["storage.latency_ms=3", "checkpoint=dcp_sync"])
     c["storage"]["_target_"] = f"{__name__}.TaggedStorage"
-    data = build.storage(c, c["data"]["root"])
-    mgr = build.checkpoint_manager(c)
+    data = build.storage(validate(c), c["data"]["root"])
+    mgr = build.checkpoint_manager(validate(c))
     for store in (data, mgr.storage):
         assert type(store) is TaggedStorage and store.cfg.latency_ms == 3
     assert mgr.storage.root == c["checkpoint"]["dir"] and data.root == c["data"]["root"]
@@ -62,7 +61,7 @@ def test_storage_node_opens_the_data_root_and_the_checkpoint_dir(tmp_path):
 
 def test_the_backend_node_is_its_constructor(tmp_path):
     c = _config(tmp_path, ["checkpoint.backend.async_type=process"])
-    backend = build.checkpoint_manager(c).backend
+    backend = build.checkpoint_manager(validate(c)).backend
     assert type(backend) is DCPAsync and backend.async_type.value == "process"
     # A typo inside the node is not swallowed: the constructor takes no **kwargs.
     c["checkpoint"]["backend"]["asyn_type"] = "thread"
@@ -85,9 +84,9 @@ def test_the_source_node_is_its_class(tmp_path):
     make_dataset(str(root), num_classes=2, train_per_class=8, val_per_class=2, image_size=16)
     c = _config(tmp_path, ["experiment=smoke", f"data.root={root}", "data=remote"])
     c["data"]["source"]["_target_"] = f"{__name__}.CountingSource"
-    validate(c)
+    typed = validate(c)
     cpu = torch.device("cpu")
-    ld = ResumableLoader(DataConfig(**c["data"]), build.storage(c, str(root)), 0, 8, 2, 0, 1, cpu)
+    ld = ResumableLoader(typed.data, build.storage(typed, str(root)), 0, 8, 2, 0, 1, cpu)
     next(ld)
     ld.close()
     assert type(ld.source) is CountingSource and CountingSource.reads == 8
@@ -128,11 +127,11 @@ def test_a_strategy_of_your_own_by_target_wraps_the_model(tmp_path, monkeypatch)
     make_dataset(str(root), num_classes=2, train_per_class=8, val_per_class=2, image_size=16)
     c = _config(tmp_path, ["experiment=smoke", f"data.root={root}"])
     c["parallel"]["strategy"] = {"_target_": f"{__name__}.TaggingStrategy", "tag": "mine"}
-    c["mlflow_run_id"] = None  # no tracking
-    validate(c)
+    typed = validate(c)
     for k in LAUNCHER_ENV:
         monkeypatch.delenv(k, raising=False)
-    t = build.Trainer(c, init_distributed())
+    ctx = RunContext(str(tmp_path / "run"), time.time(), "0" * 16)  # no MLflow run: no tracking
+    t = build.Trainer(typed, ctx, init_distributed())
     try:
         s = t.step.strategy
         assert type(s) is TaggingStrategy and s.tag == "mine" and s.wrapped == [t.model]
@@ -247,12 +246,43 @@ def test_every_name_a_script_imports_exists():
         sys.path.remove(str(REPO / "scripts"))
 
 
-def _readers(key: str, attribute: bool = True) -> set[str]:
-    """Modules that read `key` as a subscript (`node["key"]`) or, optionally, an attribute (`cfg.key`)."""
+def _readers_of(node: str, key: str) -> set[str]:
+    """Modules that read `<node>.<key>` from the typed config: `x.node.key`, or `name.key` where the
+    module bound `name = x.node` (a `Storage.root` or a `Path.root` is neither)."""
+    out = set()
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        aliases = {
+            t.id
+            for a in ast.walk(tree)
+            if isinstance(a, ast.Assign) and isinstance(a.value, ast.Attribute) and a.value.attr == node
+            for t in a.targets
+            if isinstance(t, ast.Name)
+        } | {  # tuple assignments: `dc, tr = c.data, c.trainer`
+            t.id
+            for a in ast.walk(tree)
+            if isinstance(a, ast.Assign) and isinstance(a.value, ast.Tuple)
+            for tup in a.targets
+            if isinstance(tup, ast.Tuple)
+            for t, v in zip(tup.elts, a.value.elts, strict=False)
+            if isinstance(t, ast.Name) and isinstance(v, ast.Attribute) and v.attr == node
+        }
+        for a in ast.walk(tree):
+            if isinstance(a, ast.Attribute) and a.attr == key:
+                v = a.value
+                if (isinstance(v, ast.Attribute) and v.attr == node) or (
+                    isinstance(v, ast.Name) and v.id in aliases
+                ):
+                    out.add(name)
+    return out
+
+
+def _readers(key: str) -> set[str]:
+    """Modules that read `key` as a subscript (`node["key"]`) or an attribute (`cfg.key`)."""
     out = set()
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (attribute and isinstance(node, ast.Attribute) and node.attr == key) or (
+            if (isinstance(node, ast.Attribute) and node.attr == key) or (
                 isinstance(node, ast.Subscript)
                 and isinstance(node.slice, ast.Constant)
                 and node.slice.value == key
@@ -268,8 +298,8 @@ def test_a_key_reaches_where_it_acts_in_three_hops():
     doubles back (tests/test_keys.py checks every key's readers at run time, this the code's reads;
     the next test that the node arrives whole)."""
     assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
-    # node["root"]: the job, the builder; storage's own pickled state. The source gets it opened.
-    assert _readers("root", attribute=False) == {"goodput.run.job", "goodput.run.build", "goodput.storage"}
+    # `.data.root` (or `dc.root` after `dc = c.data`): the job and the builder. The source gets it opened.
+    assert _readers_of("data", "root") == {"goodput.run.job", "goodput.run.build"}
 
 
 def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):
@@ -280,7 +310,7 @@ def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):
         "checkpoint.keep_last=4", "checkpoint.on_error=continue", "checkpoint.commit_timeout_s=12",
         "checkpoint.keep_best_by=val/accuracy", "checkpoint.keep_best_mode=min",
     ])  # fmt: skip
-    mgr = build.checkpoint_manager(c)
+    mgr = build.checkpoint_manager(validate(c))
     for f in dataclasses.fields(CheckpointConfig):
         got = getattr(mgr.cfg, f.name)
         assert got == c["checkpoint"][f.name], f.name
@@ -310,7 +340,7 @@ def _trainer(store, ledger: Ledger, rank: int = 0):
         dist=SimpleNamespace(rank=rank, world=1),
         attempts=Attempts(store),
         ledger=ledger,
-        cfg={"fault": {"mtbf_seconds": None, "max_kills": 0, "chaos_p": 0.0, "chaos_seed": 0}, "seed": 0},
+        cfg=SimpleNamespace(fault=FaultConfig(), seed=0),
         faults=SimpleNamespace(arm_random=lambda *a: None, arm_chaos=lambda *a: None, fired=lambda: {}),
         tracker=SimpleNamespace(set_tags=lambda tags: None),
         watchdog=SimpleNamespace(attempt=None),

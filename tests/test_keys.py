@@ -52,7 +52,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
-from goodput.config import SCHEMAS
+from goodput.config import SCHEMAS, Config
 from goodput.parallel import LAUNCHER_ENV
 from goodput.run import job, launch, worker
 
@@ -142,7 +142,8 @@ class Node(dict):
 
 
 def _schema_paths() -> dict[type, tuple]:
-    return {schema: tuple(group.split("/")) for group, schema in SCHEMAS.items()}
+    """Each schema's key path; the root Config's fields are the root keys (seed, model, the groups)."""
+    return {Config: (), **{schema: tuple(group.split("/")) for group, schema in SCHEMAS.items()}}
 
 
 def _instrument_schemas(monkeypatch, only: tuple = ()) -> None:
@@ -212,9 +213,9 @@ def _fake_elastic(lc, fn):
 
 def run_job(root, overrides) -> dict | None:
     cfg = _compose(["experiment=smoke", f"paths.root={root}", *overrides])
-    c, lock = job.prepare(cfg, str(root / "run"))
+    c, ctx, lock = job.prepare(cfg, str(root / "run"))
     try:
-        return launch.launch(c)
+        return launch.launch(c, ctx)
     finally:
         if lock is not None:
             lock.release()
@@ -241,6 +242,10 @@ def recorded(monkeypatch):
     monkeypatch.setattr(launch, "preload_forkserver", lambda: None)  # process-wide state
     monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)  # process-wide state
     monkeypatch.setattr(worker, "plot", lambda *a: None)  # draws goodput.png from numbers: 0.3 s a job
+    # Which keys trainer.compile=true reads does not depend on torch compiling (20 s on CPU); the
+    # compile cache points inductor at its dir through the environment (process-wide state).
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     _instrument_schemas(monkeypatch)
     _instrument_conversions(monkeypatch)
     _let_omegaconf_take_nodes(monkeypatch)
@@ -382,7 +387,11 @@ EXTRA_RUNS = {
     # run.resume (and trainer.max_steps, in goodput.run.job) are read on a relaunch that finds a commit;
     # run.overwrite only when run.resume=none finds checkpoints to discard.
     "run": [(["trainer.max_steps=6"], False), (["run.resume=none", "run.overwrite=true"], False)],
-    "trainer": [(["trainer.max_steps=6"], False)],
+    "trainer": [
+        (["trainer.max_steps=6"], False),
+        # trainer.compile_*: only when trainer.compile is on (the fixture makes compiling a no-op).
+        (["trainer.max_steps=8", "trainer.compile=true", "trainer.compile_cache_upload=true"], False),
+    ],
     # parallel.rdzv_*: only when the elastic agent starts (max_restarts > 0 or several processes).
     "parallel": [(["parallel.max_restarts=1", "trainer.max_steps=6"], False)],
     # checkpoint.on_error: only when a save fails.
@@ -525,11 +534,11 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
     def in_build(
         t, _original=loop.train
     ):  # run with goodput.run.build's globals: a read "by goodput.run.build"
-        t.cfg["trainer"]["log_every_n_steps"]  # also read by goodput.run.loop: two phases of the runner
+        _ = t.cfg.trainer.log_every_n_steps  # also read by goodput.run.loop: two phases of the runner
         return _original(t)
 
     def in_tracking(t, _next=None):  # goodput.tracking's globals: another component
-        t.cfg["trainer"]["num_threads"]  # read by goodput.run.worker (the runner)
+        _ = t.cfg.trainer.num_threads  # read by goodput.run.worker (the runner)
         return _next(t)
 
     from goodput import tracking

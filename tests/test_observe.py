@@ -115,9 +115,9 @@ def _run_job(root, *overrides):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["experiment=smoke", f"paths.root={root}", *overrides])
-    c, lock = job.prepare(cfg, str(root / "run"))
+    c, ctx, lock = job.prepare(cfg, str(root / "run"))
     try:
-        return launch.launch(c), c
+        return launch.launch(c, ctx), c
     finally:
         if lock is not None:
             lock.release()
@@ -136,7 +136,7 @@ def test_profiler_trace_mfu_and_system_metrics_reach_mlflow(tmp_path, one_proces
               and step3["ts"] <= e["ts"] <= step3["ts"] + step3["dur"]]  # fmt: skip
     assert inside, "no convolution inside the profiled step"
 
-    client = MlflowClient(c["mlflow"]["tracking_uri"])
+    client = MlflowClient(c.mlflow.tracking_uri)
     run_id = summary["mlflow_run_id"]
     assert [a.path for a in client.list_artifacts(run_id, "profiler")] == ["profiler/trace-rank0.json"]
     metrics = client.get_run(run_id).data.metrics

@@ -127,13 +127,22 @@ def test_early_stopping_counts_evaluations_and_resumes_mid_count():
     assert run(b, seq[5:], first=5) == 7
 
 
-def _mlflow_run(tmp_path, experiment: str, artifact_location: str) -> dict:
+def _mlflow_run(tmp_path, experiment: str, artifact_location: str, *overrides) -> tuple:
+    """A checked config that logs the final model (SmallCNN of width 8) to a fresh MLflow run, and the run."""
+    from omegaconf import OmegaConf
+    from test_config import _compose
+
+    from goodput.config import validate
     from goodput.tracking import start_run
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = start_run(uri, experiment, "r", {}, None, artifact_location)
-    return {"mlflow": {"tracking_uri": uri, "log_model": "final", "registered_model_name": "goodput-test"},
-            "mlflow_run_id": run_id, "model": {"_target_": "goodput.model.SmallCNN", "width": 8}}  # fmt: skip
+    c = OmegaConf.to_container(_compose([
+        f"paths.root={tmp_path}", "experiment=smoke", "model.width=8", "mlflow.log_model=final",
+        "mlflow.registered_model_name=goodput-test", *overrides,
+    ]), resolve=True)  # fmt: skip
+    c["mlflow"]["tracking_uri"] = uri
+    return validate(c), run_id
 
 
 def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warns(tmp_path, dist1, caplog):  # noqa: F811
@@ -147,10 +156,10 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     mgr.save(5, app)
     mgr.wait()
     x = torch.randn(4, 3, 16, 16)
-    c = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
-    uri = publish.log_model(c, mgr, x[:2], num_classes=4)
+    c, run_id = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
+    uri = publish.log_model(c, run_id, mgr, x[:2], num_classes=4)
     assert uri is not None and uri.startswith("models:/")
-    mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+    mlflow.set_tracking_uri(c.mlflow.tracking_uri)
     loaded = mlflow.pytorch.load_model(uri)
     app.model.eval()
     with torch.no_grad():
@@ -160,9 +169,9 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions
 
     (tmp_path / "not-a-dir").write_text("")  # an artifact store that cannot be written
-    c = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
+    c, run_id = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
     with caplog.at_level(logging.WARNING, logger="goodput.publish"):
-        assert publish.log_model(c, mgr, x[:2], num_classes=4) is None
+        assert publish.log_model(c, run_id, mgr, x[:2], num_classes=4) is None
     assert "could not log the model of step 5 to MLflow" in caplog.text
     mgr.close()
 
@@ -317,11 +326,12 @@ def test_eval_on_ema_exports_and_logs_the_ema_weights(tmp_path, dist1, backend):
 
     if backend == "dcp_sync":  # (logging to MLflow takes seconds: one backend is enough for it)
         x = torch.randn(4, 3, 16, 16)
-        c = _mlflow_run(tmp_path, "ema", str(tmp_path / "artifacts"))
-        c["trainer"] = {"eval_on": "ema"}
-        uri = publish.log_model(c, mgr, x[:2], num_classes=4)
+        c, run_id = _mlflow_run(
+            tmp_path, "ema", str(tmp_path / "artifacts"), "trainer.ema_decay=0.5", "trainer.eval_on=ema"
+        )
+        uri = publish.log_model(c, run_id, mgr, x[:2], num_classes=4)
         assert uri is not None
-        mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
+        mlflow.set_tracking_uri(c.mlflow.tracking_uri)
         loaded = mlflow.pytorch.load_model(uri)
         ema.module.eval()
         with torch.no_grad():
@@ -345,7 +355,7 @@ def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
     from omegaconf import OmegaConf
     from test_config import _compose
 
-    from goodput.config import monitors_logged
+    from goodput.config import monitors_logged, validate
 
     c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)
     for change, message in [
@@ -359,8 +369,9 @@ def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
         check_config_change(c, change, message)
     # once the data is listed (build.Trainer): 4 classes log no top-k unless eval_top_k asks for one
     c["checkpoint"]["keep_best_by"] = "val/top5"
-    assert "with 4 classes no top-k is logged" in monitors_logged(c, num_classes=4)[0]
-    assert monitors_logged(c, num_classes=10) == []
+    typed = validate(c)
+    assert "with 4 classes no top-k is logged" in monitors_logged(typed.trainer, typed.checkpoint, 4)[0]
+    assert monitors_logged(typed.trainer, typed.checkpoint, 10) == []
 
 
 def test_a_search_objective_no_evaluation_logs_fails_before_any_trial():

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -24,15 +25,18 @@ from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
 from goodput.checkpoint.manager import SaveFailed
+from goodput.config import RunConfig
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.data.shards import INDEX, ShardSource, pack
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
 from goodput.resilience.accounting import Attempts
 from goodput.resilience.lock import RunLock
+from goodput.run.config import TrainerConfig
+from goodput.run.context import RunContext
 from goodput.run.job import AlreadyDone, _prepare_run
 from goodput.storage import CHECKSUM, Storage, TooLarge
-from goodput.tracking import start_run
+from goodput.tracking import MlflowConfig, start_run
 from goodput.untrusted import UnsafePath, confined, safe_rel, why_unsafe
 
 
@@ -363,18 +367,17 @@ def test_a_malformed_attempt_record_is_moved_aside_and_counted(tmp_path, caplog,
 
 
 # -- decisions taken from a commit use a verified one ------------------------------------------------
-def _job_cfg(tmp_path, name: str, max_steps: int) -> dict:
+def _job_cfg(tmp_path, name: str, max_steps: int) -> SimpleNamespace:
+    """The nodes the job's decisions read (goodput.run.job._prepare_run), as the schemas build them."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    return {
-        "run": {"resume": "auto", "name": name, "overwrite": False},
-        "trainer": {"max_steps": max_steps},
-        "mlflow": {
-            "tracking_uri": uri,
-            "experiment": "trust",
-            "artifact_location": None,
-            "parent_run_id": None,
-        },
-    }
+    return SimpleNamespace(
+        run=RunConfig(name=name),
+        trainer=TrainerConfig(max_steps=max_steps),
+        mlflow=MlflowConfig(tracking_uri=uri, experiment="trust", artifact_location=None),
+    )
+
+
+CTX = RunContext("unused", 0.0, "1" * 16)
 
 
 def test_a_junk_step_ahead_with_wrong_checksums_does_not_end_the_job(tmp_path, dist1, caplog):  # noqa: F811
@@ -391,25 +394,25 @@ def test_a_junk_step_ahead_with_wrong_checksums_does_not_end_the_job(tmp_path, d
     committed = mgr.committed()
     assert committed[0]["step"] == 100  # the cheap checks pass it
     c = _job_cfg(tmp_path, "r", max_steps=12)
-    _prepare_run(c, mgr, committed, False, None)  # not AlreadyDone: step 2 is the newest that verifies
+    _prepare_run(c, CTX, mgr, committed, False, {})  # not AlreadyDone: step 2 is the newest that verifies
     assert any("not trusting" in r.message and "step-000000100" in r.message for r in caplog.records)
     c = _job_cfg(tmp_path, "r", max_steps=2)
     with pytest.raises(AlreadyDone, match="step-000000002"):
-        _prepare_run(c, mgr, committed, False, None)
+        _prepare_run(c, CTX, mgr, committed, False, {})
 
 
 def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1, caplog):  # noqa: F811
     c = _job_cfg(tmp_path, "mine", max_steps=12)
-    theirs = start_run(c["mlflow"]["tracking_uri"], "trust", "theirs", {}, None)
+    theirs = start_run(c.mlflow.tracking_uri, "trust", "theirs", {}, None)
     mgr = manager(tmp_path, "dcp_sync", dist1)
     mgr.commit_info = {"mlflow_run_id": theirs, "run": "theirs", "config_hash": "0" * 16}
     mgr.save(1, make_app(1)[0])
-    _prepare_run(c, mgr, mgr.committed(), True, None)
-    assert c["mlflow_run_id"] != theirs
+    ctx = _prepare_run(c, CTX, mgr, mgr.committed(), True, {})
+    assert ctx.mlflow_run_id not in (None, theirs)
     assert any("written by run 'theirs'" in r.message for r in caplog.records)
     c = _job_cfg(tmp_path, "theirs", max_steps=12)  # the run that wrote it does continue it
-    _prepare_run(c, mgr, mgr.committed(), True, None)
-    assert c["mlflow_run_id"] == theirs
+    ctx = _prepare_run(c, CTX, mgr, mgr.committed(), True, {})
+    assert ctx.mlflow_run_id == theirs
     assert any("under another config" in r.message for r in caplog.records)
 
 

@@ -111,6 +111,47 @@ SCHEMAS = {
 }
 
 
+# The groups `validate` converts into their schema's dataclass (`optim/schedule` stays a node inside
+# `optim`: a `_target_` node, instantiated whole).
+_TYPED = (
+    "paths",
+    "run",
+    "trainer",
+    "demo_data",
+    "data",
+    "checkpoint",
+    "optim",
+    "parallel",
+    "fault",
+    "storage",
+    "mlflow",
+)  # fmt: skip  (and augment, once its transforms are built)
+
+
+@dataclass
+class Config:
+    """The resolved, checked config of a job, one schema instance per group (goodput.config.validate
+    builds it once). The job's code reads attributes (`cfg.trainer.max_steps`), so the schema is the
+    one source of every key; `_target_` nodes (model, optim.optimizer, data.source, ...) stay plain
+    dicts for hydra.utils.instantiate. What a launch *is* (its run dir, start, MLflow run) is not
+    config: goodput.run.context.RunContext travels beside it."""
+
+    seed: int
+    model: dict
+    paths: PathsConfig
+    run: RunConfig
+    trainer: TrainerConfig
+    demo_data: DemoDataConfig
+    data: DataConfig
+    augment: AugmentConfig
+    checkpoint: CheckpointConfig
+    optim: OptimConfig
+    parallel: ParallelConfig
+    fault: FaultConfig
+    storage: StorageConfig
+    mlflow: MlflowConfig
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     for group, schema in SCHEMAS.items():
@@ -129,26 +170,30 @@ def build(schema, node: dict, key: str):
     return schema(**node)
 
 
-def monitors_logged(c: dict, num_classes: int | None = None) -> list[str]:
+def monitors_logged(
+    trainer: TrainerConfig, checkpoint: CheckpointConfig, num_classes: int | None = None
+) -> list[str]:
     """checkpoint.keep_best_by and trainer.early_stopping_by (when on) name a metric evaluation logs."""
-    tr = c["trainer"]
-    top_k = tr.get("eval_top_k") if isinstance(tr.get("eval_top_k"), int) else None
-    watched = {"checkpoint.keep_best_by": c["checkpoint"].get("keep_best_by")}
-    if tr.get("early_stopping_patience") is not None:
-        watched["trainer.early_stopping_by"] = tr.get("early_stopping_by")
+    top_k = trainer.eval_top_k if isinstance(trainer.eval_top_k, int) else None
+    watched = {"checkpoint.keep_best_by": checkpoint.keep_best_by}
+    if trainer.early_stopping_patience is not None:
+        watched["trainer.early_stopping_by"] = trainer.early_stopping_by
     return [e for key, name in watched.items() for e in check_logged(name, key, top_k, num_classes)]
 
 
-def validate(c: dict) -> None:
-    """Check a resolved config (plain dict); raise ConfigError listing every problem."""
-    errors = []
-    for key in ("trainer", "checkpoint", "data", "storage", "parallel", "fault", "run", "paths", "mlflow"):
+def validate(c: dict) -> Config:
+    """Check a resolved config (plain dict) and convert it, once, into the schemas' dataclasses:
+    the `Config` the job's code reads (`cfg.trainer.max_steps`). Raises ConfigError listing every
+    problem."""
+    errors, nodes = [], {}
+    for key in _TYPED:
         try:
-            build(SCHEMAS[key], c[key], key)
+            nodes[key] = build(SCHEMAS[key], c[key], key)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
     try:  # instantiates the transforms once and checks the output size: a bad list fails here
         augment.build(c["augment"], c["data"]["image_size"])
+        nodes["augment"] = build(AugmentConfig, c["augment"], "augment")
     except Exception as e:
         errors.append(f"augment: {e}")
     # Nodes built by their class: the constructor names a mistyped or unknown key (none takes
@@ -197,12 +242,15 @@ def validate(c: dict) -> None:
                 f"runs per_rank / micro_batch_size whole micro-batches per step"
             )
 
-    errors += monitors_logged(c)  # (the number of classes, known once the data is listed: build.Trainer)
+    if "trainer" in nodes and "checkpoint" in nodes:  # (the number of classes: known in build.Trainer)
+        errors += monitors_logged(nodes["trainer"], nodes["checkpoint"])
     if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
         errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+    untyped = {k: c[k] for k in ("seed", "model")}  # seed: an int; model: a `_target_` node
+    return Config(**untyped, **nodes)
 
 
 def config_hash(resolved: dict) -> str:

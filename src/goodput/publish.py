@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import instantiate
@@ -21,17 +22,22 @@ from hydra.utils import instantiate
 from goodput.checkpoint.export import model_state
 from goodput.model import model_sha256
 
+if TYPE_CHECKING:
+    from goodput.config import Config
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("final", "best", "none")
 
 
-def log_model(c: dict, ckpt, example: torch.Tensor, num_classes: int, timeout_s: float = 600.0) -> str | None:
-    """Log (and maybe register) the model of the run's final or best commit; returns its model URI
-    (`models:/...`, for mlflow.pytorch.load_model), or None when off or when logging failed."""
-    m = c["mlflow"]
-    source, name = m["log_model"], m["registered_model_name"]
-    if source == "none" or c["mlflow_run_id"] is None:
+def log_model(
+    c: Config, run_id: str | None, ckpt, example: torch.Tensor, num_classes: int, timeout_s: float = 600.0
+) -> str | None:
+    """Log (and maybe register) the model of the run's final or best commit to MLflow run `run_id`;
+    returns its model URI (`models:/...`, for mlflow.pytorch.load_model), or None when off or when
+    logging failed."""
+    source, name = c.mlflow.log_model, c.mlflow.registered_model_name
+    if source == "none" or run_id is None:
         return None
     step = ckpt.best.step if source == "best" else ckpt.last_committed_step
     if step is None:
@@ -41,7 +47,7 @@ def log_model(c: dict, ckpt, example: torch.Tensor, num_classes: int, timeout_s:
 
     def work():
         try:
-            out[0] = _log(c, ckpt, step, source, name, example, num_classes)
+            out[0] = _log(c, run_id, ckpt, step, source, name, example, num_classes)
         except Exception as e:
             log.warning(
                 "could not log the model of step %d to MLflow (%s: %s); the checkpoint %s is the model",
@@ -57,7 +63,7 @@ def log_model(c: dict, ckpt, example: torch.Tensor, num_classes: int, timeout_s:
     return out[0]
 
 
-def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
+def _log(c, run_id, ckpt, step, source, registered_name, example, num_classes) -> str:
     import mlflow
     import mlflow.pytorch
     from mlflow.models import infer_signature
@@ -65,8 +71,8 @@ def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
     rec = next((r for r in ckpt.committed() if r["step"] == step), None)
     if rec is None:
         raise FileNotFoundError(f"no committed checkpoint of step {step}")
-    eval_on = c.get("trainer", {}).get("eval_on", "model")  # the weights the run evaluated
-    model = instantiate(c["model"], num_classes=num_classes)
+    eval_on = c.trainer.eval_on  # the weights the run evaluated
+    model = instantiate(c.model, num_classes=num_classes)
     model.load_state_dict(model_state(ckpt.storage, rec, eval_on))
     model.eval()
     x = example.detach().cpu().float().numpy()
@@ -75,8 +81,8 @@ def _log(c, ckpt, step, source, registered_name, example, num_classes) -> str:
     sha = model_sha256(model)
     tags = {"model_sha256": sha, "checkpoint_step": str(step), "checkpoint": ckpt.storage.url(rec["dir"]),
             "weights": source, "eval_on": eval_on}  # fmt: skip
-    mlflow.set_tracking_uri(c["mlflow"]["tracking_uri"])
-    with mlflow.start_run(run_id=c["mlflow_run_id"]):
+    mlflow.set_tracking_uri(c.mlflow.tracking_uri)
+    with mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model,
             name="model",

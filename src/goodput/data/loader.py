@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
 from goodput.data import augment as augmentation
+from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig
 from goodput.data.dataset import ImageDataset
 from goodput.data.sampler import OrderHash, StepBatchSampler
@@ -96,7 +97,7 @@ class ResumableLoader:
         rank: int,
         world: int,
         device: torch.device,
-        augment: dict | None = None,
+        augment: AugmentConfig | None = None,
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
@@ -218,7 +219,7 @@ def eval_loader(
     rank: int,
     world: int,
     device,
-    augment: dict | None = None,
+    augment: AugmentConfig | None = None,
 ) -> DataLoader:
     """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
     source, files = open_split(cfg, storage, "val")

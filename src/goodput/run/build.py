@@ -1,7 +1,7 @@
 """The components of a worker, each built from its own config node.
 
-Every function here takes the resolved config (a plain dict) and returns one component; `Trainer`
-holds what a rank trains with. Nothing here decides *when* anything happens: that is the worker's
+Every function here takes the typed config (goodput.config.Config) and returns one component;
+`Trainer` holds what a rank trains with. Nothing here decides *when* anything happens: that is the worker's
 (goodput.run.worker), the loop's (goodput.run.loop) and the checkpoint manager's job.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 
-from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
-from goodput.config import ConfigError, monitors_logged
-from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
+from goodput.checkpoint import AppState, CheckpointManager, RNGState
+from goodput.config import Config, ConfigError, monitors_logged
+from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Attempts, Ledger
 from goodput.resilience.fault import Faults
@@ -25,6 +25,7 @@ from goodput.resilience.recovery import Recovery, agent_phases, restart_round
 from goodput.resilience.recovery import failure_time as recovery_failure_time
 from goodput.resilience.watchdog import Watchdog
 from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model
+from goodput.run.context import RunContext
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
@@ -37,83 +38,80 @@ STEP_KEYS = ("precision", "micro_batch_size", "clip_grad_norm", "ema_decay", "em
              "ema_start_step", "channels_last")  # fmt: skip  # the `trainer` keys goodput.run.step acts on
 
 
-def storage(c: dict, root: str) -> Storage:
+def storage(c: Config, root: str) -> Storage:
     """The data root and the checkpoint dir are both opened through the `storage` node."""
-    return instantiate(c["storage"])(root)
+    return instantiate(c.storage)(root)
 
 
-def checkpoint_manager(c: dict, d=None, fault=None) -> CheckpointManager:
+def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> CheckpointManager:
     """The `checkpoint` node's manager and backend. Without `d` (the job process): rank 0 of 1, to
-    list and check the run's checkpoints before any worker starts."""
-    ck = c["checkpoint"]
+    list and check the run's checkpoints before any worker starts. Each commit records `ctx`'s
+    config hash and MLflow run (None without one)."""
+    ck = c.checkpoint
     rank, world, local_rank, pg = (d.rank, d.world, d.local_rank, d.ckpt_pg) if d else (0, 1, 0, None)
     return CheckpointManager(
-        CheckpointConfig(**ck),
-        storage(c, ck["dir"]),
-        instantiate(ck["backend"]),
+        ck,
+        storage(c, ck.dir),
+        instantiate(ck.backend),
         rank,
         world,
         local_rank,
         pg=pg,
-        fault=fault,
-        commit_info={"config_hash": c.get("config_hash"), "mlflow_run_id": c.get("mlflow_run_id"),
-                     "run": c["run"]["name"]},
+        commit_info={"config_hash": ctx and ctx.config_hash, "mlflow_run_id": ctx and ctx.mlflow_run_id,
+                     "run": c.run.name},
     )  # fmt: skip
 
 
 class Trainer:
     """Everything a rank trains with. Built twice only if a failed restore touched the state."""
 
-    def __init__(self, c: dict, d, recovery: Recovery | None = None):
-        self.cfg, self.dist = c, d
+    def __init__(self, c: Config, ctx: RunContext, d, recovery: Recovery | None = None):
+        self.cfg, self.ctx, self.dist = c, ctx, d
         self.recovery = recovery or Recovery()
-        seed = c["seed"]
+        seed = c.seed
         torch.manual_seed(seed)  # same initial weights on every rank
         np.random.seed(seed % 2**32)
         random.seed(seed)
-        dc, tr = c["data"], c["trainer"]
-        data_cfg = DataConfig(**dc)
-        data_store = storage(c, dc["root"])
+        dc, tr = c.data, c.trainer
+        data_store = storage(c, dc.root)
         # The loader builds the per-sample pipeline (decode, then the `augment` node's transforms).
         self.loader = ResumableLoader(
-            data_cfg, data_store, seed, tr["global_batch_size"], tr["max_steps"], d.rank, d.world, d.device,
-            augment=c["augment"],
+            dc, data_store, seed, tr.global_batch_size, tr.max_steps, d.rank, d.world, d.device,
+            augment=c.augment,
         )  # fmt: skip
-        local_bs = tr["global_batch_size"] // d.world
-        self.val_loader = eval_loader(data_cfg, data_store, local_bs, d.rank, d.world, d.device, c["augment"])
+        local_bs = tr.global_batch_size // d.world
+        self.val_loader = eval_loader(dc, data_store, local_bs, d.rank, d.world, d.device, c.augment)
         if self.val_loader.dataset.files.classes != self.loader.files.classes:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
             )
         self.recovery.mark("data_listed")
 
-        wrong = monitors_logged(c, self.loader.num_classes)
+        wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)
         if wrong:  # now, not at the first evaluation after training up to it
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
 
-        opts = StepOptions(**{k: tr[k] for k in STEP_KEYS})
+        opts = StepOptions(**{k: getattr(tr, k) for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
-        model = instantiate(c["model"], num_classes=self.loader.num_classes).to(d.device)
+        model = instantiate(c.model, num_classes=self.loader.num_classes).to(d.device)
         if opts.channels_last:
             model = model.to(memory_format=torch.channels_last)
         size = self.loader.dataset.image_size
         shape = (3, size, size)  # RGB at the training resolution
         # FLOPs counted on a copy, before a strategy wraps (FSDP shards the module in place)
         self.mfu = MFU(
-            model, shape, self.loader.num_classes, d.device, opts.precision, tr["peak_tflops"], d.world
+            model, shape, self.loader.num_classes, d.device, opts.precision, tr.peak_tflops, d.world
         )
-        strategy = instantiate(c["parallel"]["strategy"])
+        strategy = instantiate(c.parallel.strategy)
         ema = None
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
             ema = make_ema(model, opts.ema_decay)
             ema.module = strategy.replica(ema.module, d, dtype)
         self.model = strategy.wrap(model, d, dtype)
-        comp = {k: tr[k] for k in ("compile", "compile_mode", "compile_dynamic", "compile_cache_dir",
-                                   "compile_cache_upload")}  # fmt: skip
-        if comp["compile"]:  # the module the strategy returned: the DDP wrapper, the FSDP root
-            compile_model(self.model, comp["compile_mode"], comp["compile_dynamic"])
-        self.optimizer = instantiate(c["optim"]["optimizer"])(params=self.model.parameters())
-        self.scheduler = instantiate(c["optim"]["schedule"])(self.optimizer)
+        if tr.compile:  # the module the strategy returned: the DDP wrapper, the FSDP root
+            compile_model(self.model, tr.compile_mode, tr.compile_dynamic)
+        self.optimizer = instantiate(c.optim.optimizer)(params=self.model.parameters())
+        self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
         self.ledger = Ledger()
         self.app = AppState(self.model, self.optimizer, d.rank)
         self.app.register("data", self.loader)
@@ -121,11 +119,11 @@ class Trainer:
         self.app.register("ledger", self.ledger)
         self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
 
-        self.ckpt = checkpoint_manager(c, d)
+        self.ckpt = checkpoint_manager(c, ctx, d)
         self.ckpt_store = self.ckpt.storage
         self.early_stopping = EarlyStopping(
-            tr["early_stopping_patience"], tr["early_stopping_by"], tr["early_stopping_min_delta"],
-            tr["early_stopping_mode"],
+            tr.early_stopping_patience, tr.early_stopping_by, tr.early_stopping_min_delta,
+            tr.early_stopping_mode,
         )  # fmt: skip
         # The best so far and the early-stopping counter resume with the run. Saved only when on, so
         # a run that uses neither keeps the checkpoint layout (and resumes checkpoints) it had before;
@@ -138,21 +136,17 @@ class Trainer:
             self.app.register(
                 "early_stopping", self.early_stopping, missing="the early-stopping counter starts from zero"
             )
-        f = c["fault"]
+        f = c.fault
         self.faults = Faults(
-            self.ckpt_store, d.rank, f["kill_at_step"], f["kill_during_save"], f["rank"], f["kill_in_step"],
-            slow_rank=f["slow_rank"], slow_seconds=f["slow_seconds"],
+            self.ckpt_store, d.rank, f.kill_at_step, f.kill_during_save, f.rank, f.kill_in_step,
+            slow_rank=f.slow_rank, slow_seconds=f.slow_seconds,
         )  # fmt: skip
-        self.faults.arm_hang(
-            f["hang_at_step"], f["hang_site"], f["hang_rank"], f["hang_mtbf_seconds"], f["max_hangs"]
-        )
+        self.faults.arm_hang(f.hang_at_step, f.hang_site, f.hang_rank, f.hang_mtbf_seconds, f.max_hangs)
         self.ckpt.fault = self.faults
-        if (
-            f["hang_at_step"] is not None or f["hang_mtbf_seconds"] is not None
-        ):  # hang drills inside storage calls: reads of the data, writes of saves
-            site = f["hang_site"]
+        if f.hang_at_step is not None or f.hang_mtbf_seconds is not None:
+            site = f.hang_site  # hang drills inside storage calls: reads of the data, writes of saves
             (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
-        self.watchdog = Watchdog(tr["hang_timeout_s"], d.init_timeout_s, d.rank, self.ckpt_store)
+        self.watchdog = Watchdog(tr.hang_timeout_s, d.init_timeout_s, d.rank, self.ckpt_store)
         self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
@@ -164,24 +158,24 @@ class Trainer:
         )  # fmt: skip
         if ema is not None:
             self.app.register_module("ema", ema)
-        self.eval_on = tr["eval_on"]
+        self.eval_on = tr.eval_on
         cache = None
-        if comp["compile"]:  # before the first call compiles anything
-            remote = self.ckpt_store if comp["compile_cache_upload"] else None
-            cache = CompileCache(comp["compile_cache_dir"], remote, d.rank, d.local_rank)
+        if tr.compile:  # before the first call compiles anything
+            remote = self.ckpt_store if tr.compile_cache_upload else None
+            cache = CompileCache(tr.compile_cache_dir, remote, d.rank, d.local_rank)
             cache.activate()
-        self.compile_clock = CompileClock(comp["compile"], cache)
+        self.compile_clock = CompileClock(tr.compile, cache)
         self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(
-            c["mlflow"]["tracking_uri"], c["mlflow_run_id"], enabled=d.rank == 0,
-            system_metrics_interval_s=c["mlflow"]["system_metrics_interval_s"],
+            c.mlflow.tracking_uri, ctx.mlflow_run_id, enabled=d.rank == 0,
+            system_metrics_interval_s=c.mlflow.system_metrics_interval_s,
         )  # fmt: skip
         # docs/observability.md: stragglers, MFU and the profiler (goodput.run.observe)
-        self.stragglers = StragglerWatch(tr["straggler_factor"], tr["straggler_windows"], d.rank)
+        self.stragglers = StragglerWatch(tr.straggler_factor, tr.straggler_windows, d.rank)
         self.profiler = StepProfiler(
-            tr["profile_start_step"], tr["profile_steps"], c["run_dir"], d.rank, d.device, self.tracker
+            tr.profile_start_step, tr.profile_steps, ctx.run_dir, d.rank, d.device, self.tracker
         )
-        self.tracker.log_dataset(dc["root"], self.loader.files.fingerprint)
+        self.tracker.log_dataset(dc.root, self.loader.files.fingerprint)
 
     def eval_module(self) -> torch.nn.Module:
         """The module evaluation and export use (`trainer.eval_on`): the model or its EMA."""
@@ -198,7 +192,7 @@ class Trainer:
                     "first_step_seconds": round(self.compile_clock.total, 4),
                     "cache_artifacts_loaded": cc.loaded, "cache_source": cc.source, **cache_counters(),
                 }  # fmt: skip
-            set_collective_timeout(self.cfg["parallel"]["collective_timeout_s"])  # warm-up is over
+            set_collective_timeout(self.cfg.parallel.collective_timeout_s)  # warm-up is over
             if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
                 self.record_recovery(step)
         if self.dist.rank == 0:
@@ -211,7 +205,7 @@ class Trainer:
             n = self.attempts.record["attempt"]
             prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
             failure, source = recovery_failure_time(self.faults.fired(), prev)
-            rec = self.recovery.record(failure, source, agent_phases(self.cfg["run_dir"], restart_round()))
+            rec = self.recovery.record(failure, source, agent_phases(self.ctx.run_dir, restart_round()))
             if "compile" in self.attempts.record:  # inside `first_step`, not a phase of its own
                 rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
             if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:

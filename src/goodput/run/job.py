@@ -12,16 +12,18 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from goodput.checkpoint.resume import explicit_checkpoint
-from goodput.config import config_hash, validate
+from goodput.config import Config, config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
 from goodput.run import build
+from goodput.run.context import RunContext
 from goodput.tracking import flatten, source_tags, start_run
 
 log = logging.getLogger("goodput")
@@ -36,49 +38,52 @@ class AlreadyDone(Exception):
 
 def prepare(
     cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
-) -> tuple[dict, RunLock | None]:
+) -> tuple[Config, RunContext, RunLock | None]:
     """Resolve and check the config, take the run lock, create demo data, open the MLflow run.
-    Returns the plain resolved config and the lock (held by rank 0's job process)."""
+    Returns the typed config, this launch's context and the lock (held by rank 0's job process)."""
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
         cfg.paths.root = os.path.abspath(str(cfg.paths.root))  # async daemons and workers need absolute paths
     if multirun_suffix:
         cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"  # each sweep job gets its own checkpoints
-    c = OmegaConf.to_container(cfg, resolve=True)
-    c["run_dir"] = run_dir
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     # The goodput ledger counts this launch from the process's start, imports included; the later
     # jobs of a sweep run in the same process (Hydra's basic launcher), each from its own start.
-    c["job_start"] = process_start() if not _STARTED else time.time()
-    _STARTED.append(c["job_start"])
-    validate(c)
+    job_start = process_start() if not _STARTED else time.time()
+    _STARTED.append(job_start)
+    c = validate(resolved)
+    choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
+    params = flatten(resolved)  # the MLflow params, and (hashed) the run's identity
+    params.update({f"choice.{k}": str(v) for k, v in choices.items()})
+    ctx = RunContext(run_dir, job_start, config_hash(params))
     leader = int(os.environ.get("RANK", "0")) == 0
 
     if leader:
         ensure_data(c)
-    mgr = build.checkpoint_manager(c)  # a view of the run's checkpoints from this process
+    mgr = build.checkpoint_manager(c, ctx)  # a view of the run's checkpoints from this process
     committed = mgr.committed()
     lock = None
     if leader:
-        lock = RunLock(mgr.storage, c["run"]["lock_stale_seconds"])
+        lock = RunLock(mgr.storage, c.run.lock_stale_seconds)
         lock.acquire()
     try:
-        _prepare_run(c, mgr, committed, leader, choices)
+        ctx = _prepare_run(c, ctx, mgr, committed, leader, params)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return c, lock
+    return c, ctx, lock
 
 
-def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
-    resume, store = str(c["run"]["resume"]), mgr.storage
+def _prepare_run(c: Config, ctx: RunContext, mgr, committed: list, leader: bool, params: dict) -> RunContext:
+    resume, store = str(c.run.resume), mgr.storage
     if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
         explicit_checkpoint(mgr, resume)
     if leader and resume == "none" and (committed or store.ls("attempts")):
-        if not c["run"]["overwrite"]:
+        if not c.run.overwrite:
             raise FileExistsError(
-                f"run '{c['run']['name']}' already has checkpoints in {store.url()}; use run.resume=auto to "
+                f"run '{c.run.name}' already has checkpoints in {store.url()}; use run.resume=auto to "
                 f"continue it, run.overwrite=true to discard them, or another run.name"
             )
         log.warning("run.overwrite=true: discarding %s", store.url())
@@ -89,49 +94,46 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = mgr.newest_verified(committed) if resume == "auto" and committed else None
-    if newest is not None and newest["step"] >= c["trainer"]["max_steps"]:
+    if newest is not None and newest["step"] >= c.trainer.max_steps:
         raise AlreadyDone(
-            f"run '{c['run']['name']}' already reached step {newest['step']} "
-            f"(trainer.max_steps={c['trainer']['max_steps']}): nothing to do. "
+            f"run '{c.run.name}' already reached step {newest['step']} "
+            f"(trainer.max_steps={c.trainer.max_steps}): nothing to do. "
             f"Checkpoint: {store.url(newest['dir'])}"
         )
     if newest is not None and newest.get("stop_reason"):
         raise AlreadyDone(
-            f"run '{c['run']['name']}' is complete: it stopped at step {newest['step']} "
+            f"run '{c.run.name}' is complete: it stopped at step {newest['step']} "
             f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"
         )
     previous_run_id = _run_to_continue(c, newest, store)
-    choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
-    params = flatten({k: v for k, v in c.items() if k not in ("run_dir", "job_start")})
-    params.update({f"choice.{k}": str(v) for k, v in choices.items()})
-    c["config_hash"] = config_hash(params)
-    if newest is not None and newest.get("config_hash") not in (None, c["config_hash"]):
+    if newest is not None and newest.get("config_hash") not in (None, ctx.config_hash):
         log.warning(
             "%s was written under another config (hash %s, this launch %s): continuing it as run '%s'; "
             "the changed keys are in the MLflow params", store.url(newest["dir"]), newest.get("config_hash"),
-            c["config_hash"], c["run"]["name"],
+            ctx.config_hash, c.run.name,
         )  # fmt: skip
-    c["mlflow_run_id"] = None
     if not leader:
-        return
-    c["mlflow_run_id"] = start_run(
-        c["mlflow"]["tracking_uri"],
-        c["mlflow"]["experiment"],
-        c["run"]["name"],
+        return ctx
+    m = c.mlflow
+    run_id = start_run(
+        m.tracking_uri,
+        m.experiment,
+        c.run.name,
         params,
         previous_run_id,
-        c["mlflow"]["artifact_location"],
-        tags={**source_tags(sys.argv[0]), **parent_tag(c["mlflow"]["parent_run_id"])},
+        m.artifact_location,
+        tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id)},
     )
+    return replace(ctx, mlflow_run_id=run_id)
 
 
-def _run_to_continue(c: dict, rec: dict | None, store) -> str | None:
+def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:
     """The MLflow run id of the verified commit `rec`, when it belongs to this run. A commit written
     under another run.name (copied in, or a store shared by mistake) is fenced: its MLflow run is not
     continued, a new one starts, with a warning naming both."""
     if rec is None:
         return None
-    name = c["run"]["name"]
+    name = c.run.name
     if rec.get("run") is not None and rec.get("run") != name:
         log.warning(
             "%s was written by run '%s', not '%s': not continuing its MLflow run %s (a new one starts)",
@@ -147,27 +149,25 @@ def parent_tag(run_id: str | None) -> dict[str, str]:
     return {"mlflow.parentRunId": run_id} if run_id else {}
 
 
-def ensure_data(c: dict) -> None:
+def ensure_data(c: Config) -> None:
     """The data the ranks will read exists: the source class's `prepare` (the demo data generated
     if it is missing; data=shards packs it), once, before the ranks start."""
-    dc = c["data"]
-    source = get_class(dc["source"]["_target_"])
-    root = build.storage(c, dc["root"])
-    source.prepare(root, dc["dataset"], lambda url: build.storage(c, url), lambda: _ensure_dataset(c, root))
+    dc = c.data
+    source = get_class(dc.source["_target_"])
+    root = build.storage(c, dc.root)
+    source.prepare(root, dc.dataset, lambda url: build.storage(c, url), lambda: _ensure_dataset(c, root))
 
 
-def _ensure_dataset(c: dict, store) -> None:
+def _ensure_dataset(c: Config, store) -> None:
     """The demo data generated where it is missing; the dataset class checks `store` (data.root)."""
-    root = c["data"]["root"]
-    if root == c["paths"]["data_dir"] and read_record(root) is None:  # the demo data: generate it
+    root = c.data.root
+    if root == c.paths.data_dir and read_record(root) is None:  # the demo data: generate it
         if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
-        ds = c["demo_data"]
+        ds = c.demo_data
         log.info("demo data not found: generating it at %s", root)
-        n = make_dataset(
-            root, ds["num_classes"], ds["train_per_class"], ds["val_per_class"], ds["image_size"], ds["seed"]
-        )
+        n = make_dataset(root, ds.num_classes, ds.train_per_class, ds.val_per_class, ds.image_size, ds.seed)
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
-    node = c["data"]["dataset"]  # the dataset class checks its root (cheaply) before any worker starts
+    node = c.data.dataset  # the dataset class checks its root (cheaply) before any worker starts
     options = {k: v for k, v in node.items() if k != "_target_"}
     get_class(node["_target_"]).check_root(store, **options)

@@ -16,9 +16,11 @@ import signal
 import time
 import uuid
 
+from goodput.config import Config
 from goodput.parallel import free_port
 from goodput.resilience.recovery import AgentPhases
 from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.run.context import RunContext
 from goodput.run.worker import worker
 
 log = logging.getLogger(__name__)
@@ -49,16 +51,16 @@ def preload_forkserver() -> None:
     )
 
 
-def launch(c: dict) -> dict | None:
+def launch(c: Config, ctx: RunContext) -> dict | None:
     # Whatever handled the preemption signals before us (submitit: checkpoint + requeue + exit)
     # gets the signal back once the loop has committed its checkpoint: requeueing stays its job.
     previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
-    par = c["parallel"]
-    if external_world() or (par["nproc_per_node"] == 1 and par["max_restarts"] == 0):
-        summary = worker(c)
+    par = c.parallel
+    if external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
+        summary = worker(c, ctx)
     else:
-        summary = _elastic(c)
-    _hand_back(summary, previous, c["trainer"]["max_steps"])
+        summary = _elastic(c, ctx)
+    _hand_back(summary, previous, c.trainer.max_steps)
     return summary
 
 
@@ -125,37 +127,37 @@ class _LeaveStopToWorkers:
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
 
 
-def _elastic(c: dict) -> dict | None:
-    par = c["parallel"]
+def _elastic(c: Config, ctx: RunContext) -> dict | None:
+    par = c.parallel
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     preload_forkserver()
-    AgentPhases(c["run_dir"]).install()  # when the agent saw a failure, stopped, re-rendezvoused
-    endpoint = par["rdzv_endpoint"] or f"127.0.0.1:{free_port()}"
+    AgentPhases(ctx.run_dir).install()  # when the agent saw a failure, stopped, re-rendezvoused
+    endpoint = par.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=par["nproc_per_node"],
+        nproc_per_node=par.nproc_per_node,
         run_id=f"goodput-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_timeout=par["rdzv_timeout_s"],
-        rdzv_configs={"join_timeout": par["rdzv_timeout_s"], "read_timeout": min(60, par["rdzv_timeout_s"])},
-        max_restarts=par["max_restarts"],
+        rdzv_timeout=par.rdzv_timeout_s,
+        rdzv_configs={"join_timeout": par.rdzv_timeout_s, "read_timeout": min(60, par.rdzv_timeout_s)},
+        max_restarts=par.max_restarts,
         monitor_interval=0.1,  # torchrun's default: a dead worker is noticed within 0.1 s
         start_method="forkserver",  # see preload_forkserver
         signals_to_handle="SIGHUP,SIGQUIT",  # TERM, INT, USR1, USR2: _LeaveStopToWorkers
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(c["run_dir"], "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctx.run_dir, "elastic")),
     )
     try:
         with _LeaveStopToWorkers():
-            results = elastic_launch(lc, worker)(c)
+            results = elastic_launch(lc, worker)(c, ctx)
     except RendezvousError as e:
         raise RendezvousUnreachable(
             f"could not join the rendezvous at {endpoint} (parallel.rdzv_endpoint) within "
-            f"parallel.rdzv_timeout_s={par['rdzv_timeout_s']}s: {e} ({e.__cause__ or 'no detail'})"
+            f"parallel.rdzv_timeout_s={par.rdzv_timeout_s}s: {e} ({e.__cause__ or 'no detail'})"
         ) from e
     return results.get(0)

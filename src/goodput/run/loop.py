@@ -32,19 +32,19 @@ def reduce_perf(step_s: float, fetch_s: float, images: int, world: int) -> dict:
 
 def train(t) -> dict:
     """Run steps until trainer.max_steps (or a stop signal). `t` is a goodput.run.build.Trainer."""
-    cfg, d = t.cfg, t.dist
-    max_steps = cfg["trainer"]["max_steps"]
-    log_every = max(1, cfg["trainer"]["log_every_n_steps"])
-    eval_every = cfg["trainer"]["eval_every_n_steps"]
-    stop = StopSignal(cfg["trainer"]["signal_grace_seconds"])
-    show = cfg["trainer"]["progress"]
+    tr, d = t.cfg.trainer, t.dist
+    max_steps = tr.max_steps
+    log_every = max(1, tr.log_every_n_steps)
+    eval_every = tr.eval_every_n_steps
+    stop = StopSignal(tr.signal_grace_seconds)
+    show = tr.progress
     show = sys.stderr.isatty() if show == "auto" else bool(show)
     bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
 
     step = t.loader.step
     sync = sync_point(d.device)
     loss_val, val_acc, last_eval = float("nan"), None, None
-    top_k = default_top_k(cfg["trainer"]["eval_top_k"], t.loader.num_classes)
+    top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
     while step < max_steps:

@@ -1,7 +1,7 @@
 """One rank of the job: build -> restore -> loop -> summary.
 
-goodput.run.launch runs `worker(c)` in every rank's process (in the job process itself when there is
-one rank and no restarts). `c` is the resolved config from goodput.run.job.prepare.
+goodput.run.launch runs `worker(c, ctx)` in every rank's process (in the job process itself when there
+is one rank and no restarts): the typed config and the launch's context from goodput.run.job.prepare.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from goodput import publish
 from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import resume
+from goodput.config import Config
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start
@@ -27,35 +29,35 @@ from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.resilience.watchdog import hung_seconds
 from goodput.run import loop
 from goodput.run.build import Trainer
+from goodput.run.context import RunContext
 from goodput.run.evaluate import write_report
 from goodput.storage import atomic_write
 
 log = logging.getLogger("goodput")
 
 
-def worker(c: dict) -> dict | None:
+def worker(c: Config, ctx: RunContext) -> dict | None:
     """One rank of the job. Returns the summary on rank 0."""
     _process_defaults(c)
     # Start-up counts from the job process's start (imports included); after an elastic restart,
     # from this worker's: the gap since the crash is lost time.
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    t_start = c["job_start"] if first else process_start()
+    t_start = ctx.job_start if first else process_start()
     recovery = Recovery()
     recovery.mark("imports_done")  # this module is imported before `worker` is called
-    par = c["parallel"]
-    d = init_distributed(par["init_timeout_s"], trace_dir=os.path.join(c["run_dir"], "flight_recorder"))
+    d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
-    c = _rank0_view(c, d)
+    ctx = _rank0_view(ctx, d)
     t, finished = None, False
     try:
-        t = Trainer(c, d, recovery)
+        t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
         recovery.mark("built")
-        rec, touched = resume(t.ckpt, t.app, c["run"]["resume"])
+        rec, touched = resume(t.ckpt, t.app, c.run.resume)
         recovery.mark("checkpoint_read")
         if touched:  # a failed load may have written into the live state: rebuild it fresh
             t.close()
-            t = Trainer(c, d, recovery)
+            t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
         restarts = begin_attempt(t, rec, t_start)
         recovery.mark("ready")
@@ -75,28 +77,28 @@ def worker(c: dict) -> dict | None:
         shutdown_distributed()
 
 
-def _process_defaults(c: dict) -> None:
+def _process_defaults(c: Config) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in PREEMPT_SIGNALS:  # a worker from the forkserver inherits SIG_IGN (forkserver_init):
             if signal.getsignal(sig) == signal.SIG_IGN:  # until the loop handles them, a stop
                 signal.signal(sig, signal.SIG_DFL)  # request ends the process, as it always did
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
-    torch.set_num_threads(c["trainer"]["num_threads"])
-    if c["trainer"]["deterministic"]:
+    torch.set_num_threads(c.trainer.num_threads)
+    if c.trainer.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, set before its first use; without
         # it every matmul on CUDA raises under use_deterministic_algorithms. (CPU: unused.)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 
-def _rank0_view(c: dict, d) -> dict:
+def _rank0_view(ctx: RunContext, d) -> RunContext:
     if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
-        shared = [c["mlflow_run_id"], c["run_dir"]]
+        shared = [ctx.mlflow_run_id, ctx.run_dir]
         dist.broadcast_object_list(shared, src=0)
-        c = {**c, "mlflow_run_id": shared[0], "run_dir": shared[1]}
+        ctx = ctx.with_rank0(*shared)
     if d.rank != 0:  # rank hygiene: warnings and errors only
         logging.getLogger().setLevel(logging.WARNING)
-    return c
+    return ctx
 
 
 def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
@@ -120,9 +122,9 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
     restarts, first_start, uncounted, hung = info
     t.watchdog.attempt = restarts
     t.ledger.add("hung", hung)
-    f, seed = t.cfg["fault"], t.cfg["seed"]
-    t.faults.arm_random(f["mtbf_seconds"], f["max_kills"], seed, restarts)
-    t.faults.arm_chaos(f["chaos_p"], f["chaos_seed"], f["max_kills"], restarts)
+    f = t.cfg.fault
+    t.faults.arm_random(f.mtbf_seconds, f.max_kills, t.cfg.seed, restarts)
+    t.faults.arm_chaos(f.chaos_p, f.chaos_seed, f.max_kills, restarts)
     if restarts:
         t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
     if rec is None:  # nothing restored: wall time still counts from the run's first attempt
@@ -134,14 +136,14 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
 
 def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
-    c, run_dir = t.cfg, t.cfg["run_dir"]
+    c, run_dir = t.cfg, t.ctx.run_dir
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
     t.attempts.beat(result["steps"])
     goodput = t.ledger.report(restarts, t.attempts.lost_steps())  # training is over: not counted below
     # The logged model's input example: two samples, since torch.export (MLflow's default format)
     # fixes a batch dimension of 1 to a constant
     example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
-    model_uri = publish.log_model(c, t.ckpt, example, t.loader.num_classes)
+    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.loader.num_classes)
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,
@@ -155,12 +157,12 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
         "goodput": goodput,
         "recovery": recovery_summary(t.attempts),
         "compile": compile_summary(t.attempts),
-        "mlflow_run_id": c["mlflow_run_id"],
+        "mlflow_run_id": t.ctx.mlflow_run_id,
         "mlflow_model_uri": model_uri,
         "checkpoint_dir": t.ckpt_store.url(),
         "last_committed_step": t.ckpt.last_committed_step,
         "world_size": t.dist.world,
-        "config": {k: c[k] for k in ("checkpoint", "data", "parallel")},
+        "config": {k: asdict(getattr(c, k)) for k in ("checkpoint", "data", "parallel")},
     }
     atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=str).encode())
     t.tracker.log({f"goodput/{k}": v for k, v in goodput.items()}, result["steps"])

@@ -1,0 +1,31 @@
+"""What a launch *is*, apart from what it is configured to do.
+
+goodput.run.job.prepare makes one per job and passes it beside the config to every rank; nothing
+here is a config key, so nothing here can be overridden, hashed into the run's identity or logged
+as an MLflow param.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_dir: str
+    """This launch's Hydra run directory: summary.json, goodput.png, the elastic agent's logs."""
+
+    job_start: float
+    """When this launch began (the job process's start, imports included): the goodput ledger's
+    wall clock counts from it."""
+
+    config_hash: str
+    """The resolved config's identity, recorded in every commit (goodput.config.config_hash)."""
+
+    mlflow_run_id: str | None = None
+    """The MLflow run this launch logs to (global rank 0 opens it; None on the other ranks until
+    the worker receives rank 0's)."""
+
+    def with_rank0(self, mlflow_run_id: str | None, run_dir: str) -> RunContext:
+        """Under an external launcher every rank prepared its own: the job's are rank 0's."""
+        return replace(self, mlflow_run_id=mlflow_run_id, run_dir=run_dir)
