@@ -31,7 +31,7 @@ from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_di
 from goodput.resilience.accounting import Attempts, Ledger, process_start
 from goodput.run import build
 from goodput.run.worker import begin_attempt
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 SRC = REPO / "src"
 IMPORTED = time.time()  # this test module is imported long after the pytest process started
@@ -269,7 +269,8 @@ def test_a_key_reaches_where_it_acts_in_three_hops():
     the next test that the node arrives whole)."""
     assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
     # node["root"]: the job, the builder; storage's own pickled state. The source gets it opened.
-    assert _readers("root", attribute=False) == {"goodput.run.job", "goodput.run.build", "goodput.storage"}
+    readers = {"goodput.run.job", "goodput.run.build", "goodput.storage.remote"}
+    assert _readers("root", attribute=False) == readers
 
 
 def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):

@@ -31,7 +31,8 @@ from goodput.data.synthetic import make_dataset
 from goodput.resilience.accounting import Attempts
 from goodput.resilience.lock import RunLock
 from goodput.run.job import AlreadyDone, _prepare_run
-from goodput.storage import CHECKSUM, Storage, TooLarge
+from goodput.storage.checksum import CHECKSUM, TooLarge
+from goodput.storage.remote import Storage
 from goodput.tracking import start_run
 from goodput.untrusted import UnsafePath, confined, safe_rel, why_unsafe
 

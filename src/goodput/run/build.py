@@ -28,7 +28,7 @@ from goodput.run.compiler import CompileCache, CompileClock, cache_counters, com
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.tracking import Tracker
 
 log = logging.getLogger("goodput")

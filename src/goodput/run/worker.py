@@ -28,7 +28,7 @@ from goodput.resilience.watchdog import hung_seconds
 from goodput.run import loop
 from goodput.run.build import Trainer
 from goodput.run.evaluate import write_report
-from goodput.storage import atomic_write
+from goodput.storage.local import atomic_write
 
 log = logging.getLogger("goodput")
 

@@ -12,60 +12,17 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import IO
 
 import fsspec
-import xxhash
 from fsspec.core import url_to_fs
 from fsspec.dircache import DirCache
 
+from goodput.storage.checksum import Transfer, _copy_hashing
+from goodput.storage.local import atomic_file, atomic_write
+from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
-
-# Checksum of every file a checkpoint moves. xxh3_128 streams at tens of GB/s on one core (sha256
-# about 2 GB/s here), so hashing while the bytes go out costs nothing next to the transfer. It
-# detects corruption, not forgery: whoever can write the commit record can write its checksums too.
-CHECKSUM = "xxh3_128"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """What moved: the byte count and its checksum, computed while the bytes streamed through."""
-
-    size: int
-    digest: str
-
-
-class TooLarge(ValueError):
-    """A download that went past the size its record allows (a store file grown or replaced)."""
-
-
-def _copy_hashing(src, dst, chunk: int, limit: int | None = None) -> Transfer:
-    """Copy src to dst, hashing; with `limit`, stop (TooLarge) as soon as more than `limit` bytes came."""
-    h, n = xxhash.xxh3_128(), 0
-    while True:
-        buf = src.read(chunk if limit is None else min(chunk, limit + 1 - n))
-        if not buf:
-            return Transfer(n, h.hexdigest())
-        n += len(buf)
-        if limit is not None and n > limit:
-            raise TooLarge(f"more than the {limit} bytes recorded")
-        h.update(buf)
-        dst.write(buf)
-
-
-def file_digest(path: str, chunk: int = 1 << 22) -> Transfer:
-    """Checksum of a local file (verifying a node-local copy before it is used)."""
-    h, n = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
-        while buf := f.read(chunk):
-            h.update(buf)
-            n += len(buf)
-    return Transfer(n, h.hexdigest())
 
 
 class StorageError(OSError):
@@ -212,7 +169,8 @@ class Storage:
         runtime does not survive fork, so forked DataLoader workers use s3fs."""
         fs = self.fs
         if self._read_fs is None:
-            self._read_fs, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
+            store, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
+            self._read_fs = _uncached(store)
         if self._read_fs is not fs and _OBSTORE_PID[0] != os.getpid():
             return fs
         return self._read_fs
@@ -399,134 +357,3 @@ class Storage:
             return t
 
         return self._retry(f"download {self.url(rel)}", _get)
-
-
-_OBSTORE_PID = [None]  # the process whose obstore runtime is live (None: not used yet)
-_S3FS_KEYS = {"endpoint_url", "key", "secret", "token", "client_kwargs"}
-
-
-def _is_s3fs(fs) -> bool:
-    return type(fs).__module__.startswith("s3fs")
-
-
-def _obstore_for(fs, timeout_s: float = 30.0):
-    """An obstore FsspecStore equivalent to an s3fs filesystem, or None (not s3, not installed,
-    after a fork, or options obstore would not honour the same way: then s3fs stays)."""
-    if not _is_s3fs(fs) or os.environ.get("GOODPUT_OBSTORE", "1") == "0":
-        return None
-    if _OBSTORE_PID[0] not in (None, os.getpid()):
-        return None  # forked from a process that ran obstore: its runtime is gone here
-    opts = dict(fs.storage_options)
-    opts.pop("config_kwargs", None)  # our own timeouts (Storage._open): given to obstore below
-    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    endpoint = opts.pop("endpoint_url", None) or client_kwargs.pop("endpoint_url", None)
-    region = client_kwargs.pop("region_name", None)
-    if client_kwargs or set(opts) - _S3FS_KEYS:
-        return None
-    try:
-        from obstore.fsspec import FsspecStore
-    except ImportError:
-        return None
-    from datetime import timedelta
-
-    t = timedelta(seconds=timeout_s)
-    kw: dict = {
-        "client_options": {"timeout": t, "connect_timeout": t},
-        "retry_config": {"max_retries": 0},  # obstore's own (10 retries, 3 min): ours are in _retry
-    }
-    if endpoint:
-        kw["endpoint"] = endpoint
-        if endpoint.startswith("http://"):
-            kw["client_options"]["allow_http"] = True
-    for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"), ("token", "token")):
-        if opts.get(src):
-            kw[dst] = opts[src]
-    if region:
-        kw["region"] = region
-    _OBSTORE_PID[0] = os.getpid()
-    return _uncached(FsspecStore("s3", skip_instance_cache=True, **kw)), _ObstoreGet(kw)
-
-
-class _ObstoreGet:
-    """A GET through obstore's own client, one store per bucket: about half the client CPU of the
-    same GET through its fsspec adapter, which adds an asyncio hop per call (docs/benchmarks.md).
-    Errors map to what the fsspec clients raise: FileNotFoundError for a missing key, OSError
-    (retried) for the rest."""
-
-    def __init__(self, kw: dict):
-        self.kw, self.stores = kw, {}
-
-    def __call__(self, path: str) -> bytes:
-        import obstore
-        from obstore.exceptions import BaseError, NotFoundError
-
-        bucket, _, key = path.partition("/")
-        store = self.stores.get(bucket)
-        if store is None:
-            from obstore.store import from_url
-
-            store = self.stores.setdefault(bucket, from_url(f"s3://{bucket}", **self.kw))
-        try:
-            return obstore.get(store, key).bytes().to_bytes()
-        except NotFoundError as e:
-            raise FileNotFoundError(f"s3://{path}") from e
-        except BaseError as e:
-            raise OSError(f"s3://{path}: {e}") from e
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TEMP_PREFIX = ".part-"
-"""Name prefix of a file being written by `atomic_file` (hidden; the cache's scan skips it)."""
-
-
-@contextmanager
-def atomic_file(path: str, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
-    """Write a local file so that no reader ever sees it half-written: yields an open file on a
-    unique temp name in the same directory; a clean exit flushes it and renames it over `path`
-    (readers see the old file or the new one, never a prefix); an exception removes the temp file
-    and leaves `path` as it was. Concurrent writers each get their own temp name; the last rename
-    wins whole.
-
-    `durable`: fsync the file before the rename and the directory after it, so the new content
-    survives a power loss or kernel crash, not only a killed process (whose written pages the
-    kernel keeps either way). Costs a disk flush per file (~10x a small write): what is committed
-    or reported needs it; a download checked against its checksum, or a node-local cache, may not."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    # Hidden, and ending in .tmp: whoever lists the directory by suffix (manifests `<r>.json`,
-    # attempt records, images) never mistakes a file being written for a finished one.
-    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}.tmp")
-    # O_EXCL: never shares a name with another writer; 0o666 & umask, as open() would (mkstemp's
-    # 0o600 would survive the rename and hide the file from other users).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        _fsync_dir(d)
-
-
-def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
-    """`atomic_file` for content already in memory."""
-    with atomic_file(path, "wb" if isinstance(data, bytes | bytearray | memoryview) else "w", durable) as f:
-        f.write(data)
