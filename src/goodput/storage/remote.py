@@ -1,8 +1,10 @@
-"""One door to "remote" storage: fsspec underneath, plus emulation of what a network volume costs.
+"""One door to "remote" storage: fsspec underneath, retries, and listings that never go stale.
 
 Everything that lives on the remote side (the dataset, committed checkpoints, run markers) goes
-through a `Storage`. Node-local things (the cache, checkpoint staging) use plain `os` calls, so
-the emulated latency/bandwidth/errors land only where a real cluster would pay them.
+through a `Storage`. Node-local things (the cache, checkpoint staging) use plain `os` calls
+(goodput.storage.local). What a network volume costs is emulated on top (goodput.storage.emulation),
+in the two calls `self.emulation.op()` and `self.emulation.transfer(n)`, so it lands only where a
+real cluster would pay it; on a cluster those settings stay 0.
 
 `root` may be a local path, a `file://` URL, or any fsspec URL (`s3://bucket/prefix`, `gs://...`,
 `memory://...`). Paths passed to methods are relative to `root`, always with `/`.
@@ -20,6 +22,7 @@ from fsspec.core import url_to_fs
 from fsspec.dircache import DirCache
 
 from goodput.storage.checksum import Transfer, _copy_hashing
+from goodput.storage.emulation import Emulation
 from goodput.storage.local import atomic_file, atomic_write
 from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
@@ -29,14 +32,11 @@ class StorageError(OSError):
     """A remote operation failed for good (after retries)."""
 
 
-class InjectedFault(OSError):
-    """A transient error injected by `storage.error_rate` (stands in for a 503 / connection reset)."""
-
-
 @dataclass
 class StorageConfig:
-    """Schema of `storage`: emulation of the remote side (data root and checkpoint dir), so a laptop
-    shows what a network volume costs. On a real cluster leave latency and bandwidth at 0.
+    """Schema of `storage`: retries and timeouts of the remote side (data root and checkpoint dir),
+    and emulation of what a network volume costs (latency_ms, bandwidth_mb_s, error_rate, applied
+    by goodput.storage.emulation), so a laptop shows it. On a real cluster leave those at 0.
     goodput.run.build opens the data root and the checkpoint dir through this node:
     `instantiate(node)(root)`, so a `_target_` of your own (a Storage subclass) serves both."""
 
@@ -117,7 +117,8 @@ def _uncached(fs):
 
 
 class Storage:
-    """fsspec filesystem rooted at `root`, with latency/bandwidth/error emulation and retries."""
+    """fsspec filesystem rooted at `root`, with retries; latency/bandwidth/errors emulated by
+    `self.emulation` (goodput.storage.emulation)."""
 
     CHUNK = 1 << 20
 
@@ -130,7 +131,8 @@ class Storage:
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._real = real_root(self._base) if self.local else None
-        self._rng = random.Random()
+        self._rng = random.Random()  # backoff jitter
+        self.emulation = Emulation(self.cfg.latency_ms, self.cfg.bandwidth_mb_s, self.cfg.error_rate)
         self._read_fs = self._get = None
         self.fault = (
             None  # hang drills (goodput.resilience.fault.Faults.storage_op): called before each operation
@@ -158,6 +160,7 @@ class Storage:
             self._fs, self._base = self._open(skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
+            self.emulation.reseed()
             self._read_fs = self._get = None
         return self._fs
 
@@ -175,7 +178,7 @@ class Storage:
             return fs
         return self._read_fs
 
-    # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
+    # fsspec filesystems are picklable; the RNGs are re-created so forked workers don't share a stream.
     def __getstate__(self):
         return {"root": self.root, "cfg": self.cfg, "fault": self.fault}
 
@@ -184,7 +187,7 @@ class Storage:
         self.fault = state.get("fault")
 
     def __repr__(self):
-        return f"Storage({self.root!r}, latency_ms={self.cfg.latency_ms}, bw={self.cfg.bandwidth_mb_s})"
+        return f"Storage({self.root!r}, {self.emulation!r})"
 
     def url(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -204,17 +207,7 @@ class Storage:
         path = self._path(rel)
         return regular(path, f"storage {self.root}") if self.local else path
 
-    # -- emulation ---------------------------------------------------------------------------
-    def _op(self) -> None:
-        if self.cfg.latency_ms:
-            time.sleep(self.cfg.latency_ms / 1000.0)
-        if self.cfg.error_rate and self._rng.random() < self.cfg.error_rate:
-            raise InjectedFault("injected transient storage error (storage.error_rate)")
-
-    def _transfer(self, nbytes: int) -> None:
-        if self.cfg.bandwidth_mb_s:
-            time.sleep(nbytes / (self.cfg.bandwidth_mb_s * 1e6))
-
+    # -- retries -----------------------------------------------------------------------------
     def _retry(self, what: str, fn, *args):
         """Run fn with exponential backoff + full jitter on transient errors (OSError family)."""
         delay = self.cfg.backoff_s
@@ -222,7 +215,7 @@ class Storage:
             try:
                 if self.fault is not None:
                     self.fault.storage_op(what.split(" ", 1)[0])
-                self._op()
+                self.emulation.op()  # latency; an injected error is retried like a real one
                 return fn(*args)
             except FileNotFoundError:
                 raise
@@ -292,7 +285,7 @@ class Storage:
                 data = fs.cat_file(self._path(rel), max_concurrency=1)
             else:
                 data = fs.cat_file(self._file(rel))
-            self._transfer(len(data))
+            self.emulation.transfer(len(data))
             return data
 
         return self._retry(f"read {self.url(rel)}", _read)
@@ -301,7 +294,7 @@ class Storage:
         """Atomic on both sides: local files go through temp + fsync + rename; objects are atomic."""
 
         def _write():
-            self._transfer(len(data))
+            self.emulation.transfer(len(data))
             if self.local:
                 atomic_write(self._path(rel), data)
             elif _is_s3fs(self.fs):
@@ -319,7 +312,7 @@ class Storage:
         size = os.path.getsize(local_path)
 
         def _put():
-            self._transfer(size)
+            self.emulation.transfer(size)
             if self.local:  # durable: a commit record will point at this file
                 with open(local_path, "rb") as src, atomic_file(self._path(rel)) as out:
                     return _copy_hashing(src, out, self.CHUNK)
@@ -338,7 +331,7 @@ class Storage:
         def _digest():
             with self.fs.open(self._file(rel), "rb") as src:
                 t = _copy_hashing(src, _Sink(), self.CHUNK, limit)
-            self._transfer(t.size)
+            self.emulation.transfer(t.size)
             return t
 
         return self._retry(f"read {self.url(rel)}", _digest)
@@ -353,7 +346,7 @@ class Storage:
             # fetched again by the next restore; a disk flush per file would only slow restores.
             with atomic_file(local_path, durable=False) as out, self.fs.open(self._file(rel), "rb") as src:
                 t = _copy_hashing(src, out, self.CHUNK, limit)
-                self._transfer(t.size)
+                self.emulation.transfer(t.size)
             return t
 
         return self._retry(f"download {self.url(rel)}", _get)
