@@ -56,10 +56,11 @@ from benchlib import (
     timed,
     write_json,
 )
-from goodput import storage as storage_mod
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, step_dir
 from goodput.parallel import init_distributed, shutdown_distributed
-from goodput.storage import Storage, StorageConfig
+from goodput.storage import remote as storage_remote
+from goodput.storage.checksum import Transfer
+from goodput.storage.remote import Storage, StorageConfig
 
 # (backend, ranks, async_type): the rows of part 1, in order.
 CONFIGS = [
@@ -202,13 +203,13 @@ def _plain_copy(src, dst, chunk: int):
     while buf := src.read(chunk):
         dst.write(buf)
         n += len(buf)
-    return storage_mod.Transfer(n, "0" * 32)
+    return Transfer(n, "0" * 32)
 
 
 def _checksum_worker(_: int, a: dict, work: str, result: str) -> None:
     _env(0, 1, 0)
     d = init_distributed()
-    hashing = storage_mod._copy_hashing
+    hashing = storage_remote._copy_hashing
     try:
         model, opt = build(a["model"])
         app = AppState(model, opt, d.rank)
@@ -218,14 +219,14 @@ def _checksum_worker(_: int, a: dict, work: str, result: str) -> None:
         samples = [{"stall": [], "commit": []} for _ in CHECKSUM_ROWS]
         for rnd in range(a["repeats"] + 1):
             for (_, _, on), mgr, smp in zip(CHECKSUM_ROWS, mgrs, samples):
-                storage_mod._copy_hashing = hashing if on else _plain_copy
+                storage_remote._copy_hashing = hashing if on else _plain_copy
                 t0 = time.perf_counter()
                 stall = mgr.save(rnd + 1, app)
                 mgr.wait()
                 if rnd:  # round 0 is the warm-up
                     smp["stall"].append(stall)
                     smp["commit"].append(time.perf_counter() - t0)
-        storage_mod._copy_hashing = hashing
+        storage_remote._copy_hashing = hashing
         rows = []
         for (b, t, on), mgr, smp in zip(CHECKSUM_ROWS, mgrs, samples):
             mgr.close()
@@ -233,7 +234,7 @@ def _checksum_worker(_: int, a: dict, work: str, result: str) -> None:
                          "commit_s": median(smp["commit"])})  # fmt: skip
         write_json(result, {"rows": rows})
     finally:
-        storage_mod._copy_hashing = hashing
+        storage_remote._copy_hashing = hashing
         shutdown_distributed()
 
 

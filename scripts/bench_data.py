@@ -55,7 +55,7 @@ from goodput.data.config import DataConfig
 from goodput.data.loader import ResumableLoader
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage, StorageConfig
+from goodput.storage.remote import Storage, StorageConfig
 
 EMU_ROWS = ["emulated remote", "emulated cached cold", "emulated cached warm", "floor"]
 S3_ROWS = [

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from goodput.parallel import LAUNCHER_ENV, free_port  # noqa: F401  (free_port: re-exported for the bench scripts)
-from goodput.storage import atomic_file
+from goodput.storage.local import atomic_file
 
 
 def machine_info() -> dict:

@@ -23,7 +23,8 @@ import sys
 
 from goodput.checkpoint.export import ExportError, model_state, save_safetensors
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
-from goodput.storage import CHECKSUM, Storage
+from goodput.storage.checksum import CHECKSUM
+from goodput.storage.remote import Storage
 
 
 def status(store: Storage, name: str) -> dict:

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from goodput.data.shards import DEFAULT_SHARD_BYTES, INDEX, pack
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import goodput.config  # noqa: F401  (registers the schemas)
 from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 PRESETS = ("none", "light", "standard")
 STEPS = 10

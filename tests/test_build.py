@@ -32,7 +32,7 @@ from goodput.resilience.fault import FaultConfig
 from goodput.run import build
 from goodput.run.context import RunContext
 from goodput.run.worker import begin_attempt
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 SRC = REPO / "src"
 IMPORTED = time.time()  # this test module is imported long after the pytest process started

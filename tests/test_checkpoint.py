@@ -11,7 +11,7 @@ from helpers import run_train
 
 from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
 from goodput.model import SmallCNN, model_sha256
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 
 class Counter:

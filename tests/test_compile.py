@@ -17,7 +17,7 @@ from goodput.model import SmallCNN
 from goodput.resilience.accounting import sync_point
 from goodput.run import compiler
 from goodput.run.compiler import CompileCache, CompileClock, compile_model
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 
 def _app(model):

@@ -16,7 +16,8 @@ from goodput.data.dataset import BadSampleError, DataRootError
 from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.storage import TEMP_PREFIX, Storage
+from goodput.storage.local import TEMP_PREFIX
+from goodput.storage.remote import Storage
 
 STEPS = 10
 

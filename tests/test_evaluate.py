@@ -15,7 +15,7 @@ from goodput.data.loader import eval_loader
 from goodput.data.synthetic import make_dataset
 from goodput.model import SmallCNN
 from goodput.run.evaluate import default_top_k, evaluate, write_report
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 # Six samples, four classes: each row is one sample's logits, the label beside it.
 LOGITS = [

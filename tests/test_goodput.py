@@ -10,7 +10,7 @@ import pytest
 from helpers import REPO
 
 from goodput.resilience.accounting import Attempts, Ledger
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 
 def test_ledger_rolls_back_with_the_checkpoint():

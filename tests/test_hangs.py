@@ -178,7 +178,7 @@ def test_random_hangs_are_seeded_per_attempt_and_stop_at_max_hangs(tmp_path, mon
     """fault.hang_mtbf_seconds: each attempt of the hang rank draws its hang time from (seed,
     attempt), hangs once it is due, and no attempt hangs after max_hangs markers."""
     import goodput.resilience.fault as fault
-    from goodput.storage import Storage
+    from goodput.storage.remote import Storage
 
     def raise_hung():
         raise Hung

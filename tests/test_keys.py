@@ -18,7 +18,7 @@ K is consumed by module M when
   instance built from K's node;
 - K is an argument of a `_target_` node that some goodput code read (handed on): M is the target's
   module, and K must be a named parameter of the target (a key that lands in **kwargs must be read
-  where it lands: the storage node's keys are StorageConfig's fields, read in goodput.storage).
+  where it lands: the storage node's keys are StorageConfig's fields, read in goodput.storage.remote).
 K is consumed without a reader of its own when it is interpolated into a key that is consumed
 (paths.* into data.root, checkpoint.dir, ...; data.image_size into demo_data.image_size), or into
 Hydra's own config (paths.run_dir is hydra.run.dir).

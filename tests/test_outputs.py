@@ -202,7 +202,7 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
 
     from goodput.checkpoint.export import model_state
     from goodput.model import SmallCNN
-    from goodput.storage import Storage
+    from goodput.storage.remote import Storage
 
     best = SmallCNN(num_classes=10, width=32).eval()
     with open(ck / f"step-{ref['best_step']:09d}" / COMMIT) as f:

@@ -47,7 +47,7 @@ def test_two_rank_smoke(tmp_path, ddp_reference, strategy, backend):
         from goodput.checkpoint.export import model_state
         from goodput.checkpoint.layout import parse_commit
         from goodput.model import SmallCNN, model_sha256
-        from goodput.storage import Storage
+        from goodput.storage.remote import Storage
 
         rec = parse_commit((step12 / "COMMIT.json").read_bytes(), "step-000000012")
         model = SmallCNN(num_classes=10, width=32)

@@ -15,7 +15,7 @@ from helpers import run_train
 
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.resilience.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 
 def test_record_durations_add_up_to_the_gap_from_the_failure():

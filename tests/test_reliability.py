@@ -17,7 +17,7 @@ from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import without_launcher_env
-from goodput.storage import Storage, StorageConfig
+from goodput.storage.remote import Storage, StorageConfig
 
 
 # -- randomized kills through the entry point --------------------------------------------------

@@ -26,7 +26,7 @@ from goodput.data.shards import (
 )
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
-from goodput.storage import Storage, StorageConfig
+from goodput.storage.remote import Storage, StorageConfig
 
 STEPS = 12  # 8 per step over 48 samples: two epochs
 SHARD_BYTES = 3000  # a handful of samples per shard at 16 px

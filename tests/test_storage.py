@@ -8,15 +8,9 @@ import time
 
 import pytest
 
-from goodput.storage import (
-    TEMP_PREFIX,
-    Storage,
-    StorageConfig,
-    StorageError,
-    atomic_file,
-    atomic_write,
-    file_digest,
-)
+from goodput.storage.checksum import file_digest
+from goodput.storage.local import TEMP_PREFIX, atomic_file, atomic_write
+from goodput.storage.remote import Storage, StorageConfig, StorageError
 
 
 def test_local_roundtrip_and_listing(tmp_path):

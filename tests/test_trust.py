@@ -24,7 +24,7 @@ from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
 
 from goodput.checkpoint.backends import SafeFileSystemReader, load_metadata
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
-from goodput.storage import CHECKSUM, file_digest
+from goodput.storage.checksum import CHECKSUM, file_digest
 
 
 def resign(step: os.PathLike) -> None:

@@ -35,7 +35,8 @@ from goodput.resilience.lock import RunLock
 from goodput.run.config import TrainerConfig
 from goodput.run.context import RunContext
 from goodput.run.job import AlreadyDone, _prepare_run
-from goodput.storage import CHECKSUM, Storage, TooLarge
+from goodput.storage.checksum import CHECKSUM, TooLarge
+from goodput.storage.remote import Storage
 from goodput.tracking import MlflowConfig, start_run
 from goodput.untrusted import UnsafePath, confined, safe_rel, why_unsafe
 

@@ -1,12 +1,12 @@
 """The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
 
 Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
-goodput.data.augment, goodput.run.config, goodput.parallel, goodput.resilience.fault, goodput.storage,
-goodput.tracking); the ones that belong to the job as a whole are here. Group files start from
-their schema (`defaults: [base]`) and say only what differs, so a mistyped key in a file or an
-override fails at compose time, naming the key and the file. Defaults, documentation and checks
-(`__post_init__`) are written once, in the schema; `validate()` adds the checks that span groups
-or need the machine.
+goodput.data.augment, goodput.run.config, goodput.parallel, goodput.resilience.fault,
+goodput.storage.remote, goodput.tracking); the ones that belong to the job as a whole are here.
+Group files start from their schema (`defaults: [base]`) and say only what differs, so a mistyped
+key in a file or an override fails at compose time, naming the key and the file. Defaults,
+documentation and checks (`__post_init__`) are written once, in the schema; `validate()` adds the
+checks that span groups or need the machine.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.config import ScheduleConfig, TrainerConfig
 from goodput.run.monitor import check_logged
-from goodput.storage import StorageConfig
+from goodput.storage.remote import StorageConfig
 from goodput.tracking import MlflowConfig
 
 

@@ -15,7 +15,7 @@ def run_id(run: str) -> str:
     """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
     if _is_dir(run):
         from goodput.checkpoint.layout import parse_step
-        from goodput.storage import Storage
+        from goodput.storage.remote import Storage
         from goodput.untrusted import parse_record
 
         store = Storage(run)
@@ -38,7 +38,7 @@ def attempts(run: str) -> list[dict]:
     if not _is_dir(run):
         return []
     from goodput.resilience.accounting import _ATTEMPT, check_attempt
-    from goodput.storage import Storage
+    from goodput.storage.remote import Storage
 
     store, out = Storage(run), []
     for name in sorted(store.ls("attempts")):

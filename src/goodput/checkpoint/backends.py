@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.checkpoint.layout import CommitError, check_file_name
 from goodput.checkpoint.state import OPTIONAL
-from goodput.storage import atomic_write
+from goodput.storage.local import atomic_write
 
 log = logging.getLogger(__name__)
 

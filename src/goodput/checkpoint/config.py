@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from goodput.run.monitor import check_metric
-from goodput.storage import check_url
+from goodput.storage.remote import check_url
 
 
 @dataclass

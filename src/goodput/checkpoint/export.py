@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
 from goodput.checkpoint.layout import step_dir
-from goodput.storage import CHECKSUM, Storage
+from goodput.storage.checksum import CHECKSUM
+from goodput.storage.remote import Storage
 
 
 class ExportError(RuntimeError):

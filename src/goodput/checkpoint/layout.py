@@ -21,7 +21,7 @@ import json
 import os
 import re
 
-from goodput.storage import CHECKSUM
+from goodput.storage.checksum import CHECKSUM
 from goodput.untrusted import RecordError, parse_record
 
 COMMIT = "COMMIT.json"

@@ -41,7 +41,8 @@ from goodput.checkpoint.state import AppState
 from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import signals_blocked
 from goodput.run.monitor import Best
-from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
+from goodput.storage.checksum import CHECKSUM, file_digest
+from goodput.storage.remote import DIR, FOREIGN, Storage
 from goodput.untrusted import regular
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from goodput.storage import check_url
+from goodput.storage.remote import check_url
 
 
 def _raise(errors: list[str]) -> None:

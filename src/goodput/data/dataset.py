@@ -15,7 +15,8 @@ from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
 from goodput.data.sampler import sample_seed
-from goodput.storage import Storage, atomic_file
+from goodput.storage.local import atomic_file
+from goodput.storage.remote import Storage
 from goodput.untrusted import why_unsafe
 
 log = logging.getLogger(__name__)

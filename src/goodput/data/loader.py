@@ -21,7 +21,7 @@ from goodput.data.dataset import ImageDataset
 from goodput.data.sampler import OrderHash, StepBatchSampler
 from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import obey_parent_only, signals_blocked
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import torch
 from goodput.data.dataset import ImageFolder, open_dataset
 from goodput.data.sampler import GlobalOrder, _mix
 from goodput.data.sources import CachedSource
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.untrusted import RecordError, field, parse_record, safe_rel
 
 log = logging.getLogger(__name__)

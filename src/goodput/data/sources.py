@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from goodput.data.dataset import open_dataset
 from goodput.data.sampler import GlobalOrder
-from goodput.storage import Storage, atomic_write
+from goodput.storage.local import atomic_write
+from goodput.storage.remote import Storage
 from goodput.untrusted import confined, real_root
 
 log = logging.getLogger(__name__)

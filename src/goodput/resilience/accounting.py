@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.untrusted import RecordError, field, parse_record
 
 log = logging.getLogger(__name__)

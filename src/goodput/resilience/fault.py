@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.untrusted import parse_record
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.untrusted import RecordError, field, parse_record
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from goodput.run.context import RunContext
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
 from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
-from goodput.storage import Storage
+from goodput.storage.remote import Storage
 from goodput.tracking import Tracker
 
 log = logging.getLogger("goodput")

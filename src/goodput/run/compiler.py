@@ -196,7 +196,7 @@ class CompileCache:
 
     def save(self) -> None:
         """After a compile: everything compiled in this process so far (and what was loaded)."""
-        from goodput.storage import atomic_write
+        from goodput.storage.local import atomic_write
 
         try:
             out = torch.compiler.save_cache_artifacts()

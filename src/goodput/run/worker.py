@@ -31,7 +31,7 @@ from goodput.run import loop
 from goodput.run.build import Trainer
 from goodput.run.context import RunContext
 from goodput.run.evaluate import write_report
-from goodput.storage import atomic_write
+from goodput.storage.local import atomic_write
 
 log = logging.getLogger("goodput")
 

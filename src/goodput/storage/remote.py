@@ -1,8 +1,10 @@
-"""One door to "remote" storage: fsspec underneath, plus emulation of what a network volume costs.
+"""One door to "remote" storage: fsspec underneath, retries, and listings that never go stale.
 
 Everything that lives on the remote side (the dataset, committed checkpoints, run markers) goes
-through a `Storage`. Node-local things (the cache, checkpoint staging) use plain `os` calls, so
-the emulated latency/bandwidth/errors land only where a real cluster would pay them.
+through a `Storage`. Node-local things (the cache, checkpoint staging) use plain `os` calls
+(goodput.storage.local). What a network volume costs is emulated on top (goodput.storage.emulation),
+in the two calls `self.emulation.op()` and `self.emulation.transfer(n)`, so it lands only where a
+real cluster would pay it; on a cluster those settings stay 0.
 
 `root` may be a local path, a `file://` URL, or any fsspec URL (`s3://bucket/prefix`, `gs://...`,
 `memory://...`). Paths passed to methods are relative to `root`, always with `/`.
@@ -12,74 +14,29 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import IO
 
 import fsspec
-import xxhash
 from fsspec.core import url_to_fs
 from fsspec.dircache import DirCache
 
+from goodput.storage.checksum import Transfer, _copy_hashing
+from goodput.storage.emulation import Emulation
+from goodput.storage.local import atomic_file, atomic_write
+from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
-
-# Checksum of every file a checkpoint moves. xxh3_128 streams at tens of GB/s on one core (sha256
-# about 2 GB/s here), so hashing while the bytes go out costs nothing next to the transfer. It
-# detects corruption, not forgery: whoever can write the commit record can write its checksums too.
-CHECKSUM = "xxh3_128"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """What moved: the byte count and its checksum, computed while the bytes streamed through."""
-
-    size: int
-    digest: str
-
-
-class TooLarge(ValueError):
-    """A download that went past the size its record allows (a store file grown or replaced)."""
-
-
-def _copy_hashing(src, dst, chunk: int, limit: int | None = None) -> Transfer:
-    """Copy src to dst, hashing; with `limit`, stop (TooLarge) as soon as more than `limit` bytes came."""
-    h, n = xxhash.xxh3_128(), 0
-    while True:
-        buf = src.read(chunk if limit is None else min(chunk, limit + 1 - n))
-        if not buf:
-            return Transfer(n, h.hexdigest())
-        n += len(buf)
-        if limit is not None and n > limit:
-            raise TooLarge(f"more than the {limit} bytes recorded")
-        h.update(buf)
-        dst.write(buf)
-
-
-def file_digest(path: str, chunk: int = 1 << 22) -> Transfer:
-    """Checksum of a local file (verifying a node-local copy before it is used)."""
-    h, n = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
-        while buf := f.read(chunk):
-            h.update(buf)
-            n += len(buf)
-    return Transfer(n, h.hexdigest())
 
 
 class StorageError(OSError):
     """A remote operation failed for good (after retries)."""
 
 
-class InjectedFault(OSError):
-    """A transient error injected by `storage.error_rate` (stands in for a 503 / connection reset)."""
-
-
 @dataclass
 class StorageConfig:
-    """Schema of `storage`: emulation of the remote side (data root and checkpoint dir), so a laptop
-    shows what a network volume costs. On a real cluster leave latency and bandwidth at 0.
+    """Schema of `storage`: retries and timeouts of the remote side (data root and checkpoint dir),
+    and emulation of what a network volume costs (latency_ms, bandwidth_mb_s, error_rate, applied
+    by goodput.storage.emulation), so a laptop shows it. On a real cluster leave those at 0.
     goodput.run.build opens the data root and the checkpoint dir through this node:
     `instantiate(node)(root)`, so a `_target_` of your own (a Storage subclass) serves both."""
 
@@ -160,7 +117,8 @@ def _uncached(fs):
 
 
 class Storage:
-    """fsspec filesystem rooted at `root`, with latency/bandwidth/error emulation and retries."""
+    """fsspec filesystem rooted at `root`, with retries; latency/bandwidth/errors emulated by
+    `self.emulation` (goodput.storage.emulation)."""
 
     CHUNK = 1 << 20
 
@@ -173,7 +131,8 @@ class Storage:
         self._pid = os.getpid()
         self.local = is_local(self.root)
         self._real = real_root(self._base) if self.local else None
-        self._rng = random.Random()
+        self._rng = random.Random()  # backoff jitter
+        self.emulation = Emulation(self.cfg.latency_ms, self.cfg.bandwidth_mb_s, self.cfg.error_rate)
         self._read_fs = self._get = None
         self.fault = (
             None  # hang drills (goodput.resilience.fault.Faults.storage_op): called before each operation
@@ -201,6 +160,7 @@ class Storage:
             self._fs, self._base = self._open(skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
+            self.emulation.reseed()
             self._read_fs = self._get = None
         return self._fs
 
@@ -212,12 +172,13 @@ class Storage:
         runtime does not survive fork, so forked DataLoader workers use s3fs."""
         fs = self.fs
         if self._read_fs is None:
-            self._read_fs, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
+            store, self._get = _obstore_for(fs, self.cfg.request_timeout_s) or (fs, None)
+            self._read_fs = _uncached(store)
         if self._read_fs is not fs and _OBSTORE_PID[0] != os.getpid():
             return fs
         return self._read_fs
 
-    # fsspec filesystems are picklable; the RNG is re-created so forked workers don't share a stream.
+    # fsspec filesystems are picklable; the RNGs are re-created so forked workers don't share a stream.
     def __getstate__(self):
         return {"root": self.root, "cfg": self.cfg, "fault": self.fault}
 
@@ -226,7 +187,7 @@ class Storage:
         self.fault = state.get("fault")
 
     def __repr__(self):
-        return f"Storage({self.root!r}, latency_ms={self.cfg.latency_ms}, bw={self.cfg.bandwidth_mb_s})"
+        return f"Storage({self.root!r}, {self.emulation!r})"
 
     def url(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -246,17 +207,7 @@ class Storage:
         path = self._path(rel)
         return regular(path, f"storage {self.root}") if self.local else path
 
-    # -- emulation ---------------------------------------------------------------------------
-    def _op(self) -> None:
-        if self.cfg.latency_ms:
-            time.sleep(self.cfg.latency_ms / 1000.0)
-        if self.cfg.error_rate and self._rng.random() < self.cfg.error_rate:
-            raise InjectedFault("injected transient storage error (storage.error_rate)")
-
-    def _transfer(self, nbytes: int) -> None:
-        if self.cfg.bandwidth_mb_s:
-            time.sleep(nbytes / (self.cfg.bandwidth_mb_s * 1e6))
-
+    # -- retries -----------------------------------------------------------------------------
     def _retry(self, what: str, fn, *args):
         """Run fn with exponential backoff + full jitter on transient errors (OSError family)."""
         delay = self.cfg.backoff_s
@@ -264,7 +215,7 @@ class Storage:
             try:
                 if self.fault is not None:
                     self.fault.storage_op(what.split(" ", 1)[0])
-                self._op()
+                self.emulation.op()  # latency; an injected error is retried like a real one
                 return fn(*args)
             except FileNotFoundError:
                 raise
@@ -334,7 +285,7 @@ class Storage:
                 data = fs.cat_file(self._path(rel), max_concurrency=1)
             else:
                 data = fs.cat_file(self._file(rel))
-            self._transfer(len(data))
+            self.emulation.transfer(len(data))
             return data
 
         return self._retry(f"read {self.url(rel)}", _read)
@@ -343,7 +294,7 @@ class Storage:
         """Atomic on both sides: local files go through temp + fsync + rename; objects are atomic."""
 
         def _write():
-            self._transfer(len(data))
+            self.emulation.transfer(len(data))
             if self.local:
                 atomic_write(self._path(rel), data)
             elif _is_s3fs(self.fs):
@@ -361,7 +312,7 @@ class Storage:
         size = os.path.getsize(local_path)
 
         def _put():
-            self._transfer(size)
+            self.emulation.transfer(size)
             if self.local:  # durable: a commit record will point at this file
                 with open(local_path, "rb") as src, atomic_file(self._path(rel)) as out:
                     return _copy_hashing(src, out, self.CHUNK)
@@ -380,7 +331,7 @@ class Storage:
         def _digest():
             with self.fs.open(self._file(rel), "rb") as src:
                 t = _copy_hashing(src, _Sink(), self.CHUNK, limit)
-            self._transfer(t.size)
+            self.emulation.transfer(t.size)
             return t
 
         return self._retry(f"read {self.url(rel)}", _digest)
@@ -395,138 +346,7 @@ class Storage:
             # fetched again by the next restore; a disk flush per file would only slow restores.
             with atomic_file(local_path, durable=False) as out, self.fs.open(self._file(rel), "rb") as src:
                 t = _copy_hashing(src, out, self.CHUNK, limit)
-                self._transfer(t.size)
+                self.emulation.transfer(t.size)
             return t
 
         return self._retry(f"download {self.url(rel)}", _get)
-
-
-_OBSTORE_PID = [None]  # the process whose obstore runtime is live (None: not used yet)
-_S3FS_KEYS = {"endpoint_url", "key", "secret", "token", "client_kwargs"}
-
-
-def _is_s3fs(fs) -> bool:
-    return type(fs).__module__.startswith("s3fs")
-
-
-def _obstore_for(fs, timeout_s: float = 30.0):
-    """An obstore FsspecStore equivalent to an s3fs filesystem, or None (not s3, not installed,
-    after a fork, or options obstore would not honour the same way: then s3fs stays)."""
-    if not _is_s3fs(fs) or os.environ.get("GOODPUT_OBSTORE", "1") == "0":
-        return None
-    if _OBSTORE_PID[0] not in (None, os.getpid()):
-        return None  # forked from a process that ran obstore: its runtime is gone here
-    opts = dict(fs.storage_options)
-    opts.pop("config_kwargs", None)  # our own timeouts (Storage._open): given to obstore below
-    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    endpoint = opts.pop("endpoint_url", None) or client_kwargs.pop("endpoint_url", None)
-    region = client_kwargs.pop("region_name", None)
-    if client_kwargs or set(opts) - _S3FS_KEYS:
-        return None
-    try:
-        from obstore.fsspec import FsspecStore
-    except ImportError:
-        return None
-    from datetime import timedelta
-
-    t = timedelta(seconds=timeout_s)
-    kw: dict = {
-        "client_options": {"timeout": t, "connect_timeout": t},
-        "retry_config": {"max_retries": 0},  # obstore's own (10 retries, 3 min): ours are in _retry
-    }
-    if endpoint:
-        kw["endpoint"] = endpoint
-        if endpoint.startswith("http://"):
-            kw["client_options"]["allow_http"] = True
-    for src, dst in (("key", "access_key_id"), ("secret", "secret_access_key"), ("token", "token")):
-        if opts.get(src):
-            kw[dst] = opts[src]
-    if region:
-        kw["region"] = region
-    _OBSTORE_PID[0] = os.getpid()
-    return _uncached(FsspecStore("s3", skip_instance_cache=True, **kw)), _ObstoreGet(kw)
-
-
-class _ObstoreGet:
-    """A GET through obstore's own client, one store per bucket: about half the client CPU of the
-    same GET through its fsspec adapter, which adds an asyncio hop per call (docs/benchmarks.md).
-    Errors map to what the fsspec clients raise: FileNotFoundError for a missing key, OSError
-    (retried) for the rest."""
-
-    def __init__(self, kw: dict):
-        self.kw, self.stores = kw, {}
-
-    def __call__(self, path: str) -> bytes:
-        import obstore
-        from obstore.exceptions import BaseError, NotFoundError
-
-        bucket, _, key = path.partition("/")
-        store = self.stores.get(bucket)
-        if store is None:
-            from obstore.store import from_url
-
-            store = self.stores.setdefault(bucket, from_url(f"s3://{bucket}", **self.kw))
-        try:
-            return obstore.get(store, key).bytes().to_bytes()
-        except NotFoundError as e:
-            raise FileNotFoundError(f"s3://{path}") from e
-        except BaseError as e:
-            raise OSError(f"s3://{path}: {e}") from e
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-TEMP_PREFIX = ".part-"
-"""Name prefix of a file being written by `atomic_file` (hidden; the cache's scan skips it)."""
-
-
-@contextmanager
-def atomic_file(path: str, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
-    """Write a local file so that no reader ever sees it half-written: yields an open file on a
-    unique temp name in the same directory; a clean exit flushes it and renames it over `path`
-    (readers see the old file or the new one, never a prefix); an exception removes the temp file
-    and leaves `path` as it was. Concurrent writers each get their own temp name; the last rename
-    wins whole.
-
-    `durable`: fsync the file before the rename and the directory after it, so the new content
-    survives a power loss or kernel crash, not only a killed process (whose written pages the
-    kernel keeps either way). Costs a disk flush per file (~10x a small write): what is committed
-    or reported needs it; a download checked against its checksum, or a node-local cache, may not."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_file: mode must be 'wb' or 'w', got {mode!r}")
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    # Hidden, and ending in .tmp: whoever lists the directory by suffix (manifests `<r>.json`,
-    # attempt records, images) never mistakes a file being written for a finished one.
-    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}.tmp")
-    # O_EXCL: never shares a name with another writer; 0o666 & umask, as open() would (mkstemp's
-    # 0o600 would survive the rename and hide the file from other users).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        _fsync_dir(d)
-
-
-def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
-    """`atomic_file` for content already in memory."""
-    with atomic_file(path, "wb" if isinstance(data, bytes | bytearray | memoryview) else "w", durable) as f:
-        f.write(data)
