@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from goodput.model import shard_units
+from goodput.resilience.accounting import restart_round
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _store(rank: int, world: int, timeout_s: float):
         timeout=timedelta(seconds=timeout_s),
         multi_tenant=not agent_store,
     )
-    return dist.PrefixStore(f"goodput/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"goodput/restart{restart_round()}", store)
 
 
 def free_port() -> int:

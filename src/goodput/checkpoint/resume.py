@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 from goodput.checkpoint.manager import CheckpointManager
 from goodput.checkpoint.state import AppState
+from goodput.resilience.accounting import restart_round
 
 log = logging.getLogger(__name__)
 
 
 def effective_spec(configured: str) -> str:
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if restart_round() > 0:
         return "auto"
     return str(configured)
 

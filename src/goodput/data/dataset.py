@@ -15,6 +15,7 @@ from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
 from goodput.data.sampler import sample_seed
+from goodput.resilience.accounting import restart_round
 from goodput.storage.local import atomic_file
 from goodput.storage.remote import Storage
 from goodput.untrusted import why_unsafe
@@ -198,7 +199,7 @@ class _ListingCache:
         self.root = storage.root
 
     def load(self) -> tuple[dict[str, int], list[str]] | None:
-        if self.path is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        if self.path is None or restart_round() == 0:
             return None
         try:
             with open(self.path) as f:

@@ -43,6 +43,12 @@ def sync_point(device) -> Callable[[], None]:
     return lambda: None
 
 
+def restart_round() -> int:
+    """The elastic agent's restart round this worker belongs to: 0 for the first start (and outside
+    the agent), n after the n-th restart of the worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def process_start() -> float:
     """Wall-clock time at which this process started, so start-up includes the interpreter and
     every import (torch alone takes seconds). Linux: the kernel's start time of the process, taken
@@ -153,7 +159,7 @@ class Attempts:
             "startup": now - (start or now),
             "resumed_from": resumed_from,
             "step": resumed_from or 0,
-            "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # elastic restart round
+            "round": restart_round(),
         }
         self.beat(resumed_from or 0)
         return n

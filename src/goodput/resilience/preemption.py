@@ -1,7 +1,11 @@
-"""The preemption notice the training loop acts on: finish the step, checkpoint, stop (goodput.run.loop)."""
+"""The preemption notice, on both sides: the training loop acts on it (StopSignal: finish the step,
+checkpoint, stop), the elastic agent's process leaves it to the workers (LeaveStopToWorkers) and
+hands it back to a handler installed before the run (hand_back). Both follow signals.Preemption."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -9,7 +13,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS, GraceTimer
+from goodput.resilience.signals import (
+    DUPLICATE_WINDOW_S,
+    HELPER_ENV,
+    PREEMPT_SIGNALS,
+    Action,
+    GraceTimer,
+    Preemption,
+)
+
+log = logging.getLogger(__name__)
 
 
 class StopSignal:
@@ -21,13 +34,13 @@ class StopSignal:
     SIGTERM to the survivors in exactly that case), exit at once so the restart is not delayed.
     A second signal exits at once too (a second Ctrl-C), except the same signal again within
     `dup_s`: that is the same notice by two routes (sent to the process group, and forwarded by the
-    elastic agent's process, goodput.run.launch).
+    elastic agent's process, LeaveStopToWorkers). The rule: signals.Preemption.
     """
 
-    def __init__(self, grace_s: float, dup_s: float = 2.0):
+    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S):
         self.received = None
-        self.grace_s, self.dup_s = grace_s, dup_s
-        self._first = None  # (signum, monotonic time)
+        self.grace_s = grace_s
+        self._notice = Preemption(dup_s)
         self._grace = GraceTimer(grace_s, dup_s)  # runs even while the main thread is stuck in C++
         self._previous = {}
         self._env = os.environ.get(HELPER_ENV)
@@ -39,13 +52,11 @@ class StopSignal:
                 pass
 
     def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self._first is not None:
-            if signum == self._first[0] and now - self._first[1] < self.dup_s:
-                return
+        action = self._notice.notify(signum, time.monotonic())
+        if action is Action.ESCALATE:
             os._exit(128 + signum)
-        self._first = (signum, now)
-        self.received = signal.Signals(signum).name
+        if action is Action.FIRST:
+            self.received = signal.Signals(signum).name
 
     def agreed(self, world: int) -> bool:
         t = torch.tensor([1 if self.received else 0])
@@ -56,10 +67,75 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
-        """Put back the handlers found at start (SIG_DFL, or submitit's: see goodput.run.launch)."""
+        """Put back the handlers found at start (SIG_DFL, or submitit's: see hand_back)."""
         for sig, h in self._previous.items():
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
         self._previous = {}
         self._grace.close()
         if self._env is None:
             os.environ.pop(HELPER_ENV, None)
+
+
+def hand_back(summary: dict | None, previous: dict, max_steps: int) -> None:
+    """Whatever handled the preemption signals before the run (`previous`, signum -> handler;
+    submitit: checkpoint + requeue + exit) gets the signal back once the loop has committed its
+    checkpoint: requeueing stays its job."""
+    name = (summary or {}).get("preempted")
+    if name is None or summary["steps"] >= max_steps:  # finished anyway: nothing to requeue
+        return
+    handler = previous.get(getattr(signal, name or "", None))
+    if callable(handler) and handler is not signal.default_int_handler:  # that one would raise
+        log.info("checkpoint committed: passing %s on to the handler installed before the run", name)
+        handler(getattr(signal, name), None)
+
+
+class LeaveStopToWorkers:
+    """While the elastic agent runs in this process: a preemption signal is the workers' to act on
+    (they finish the step, checkpoint and exit 0, and the agent sees success). The agent's own
+    handler would tear them down and exit non-zero, so it is kept off these signals (LaunchConfig
+    signals_to_handle). A signal this process alone received is forwarded to the workers (a copy
+    they also got from the process group counts once, see StopSignal); another signal later
+    hands over to the agent's teardown, as its own handler would have done (Preemption's rule)."""
+
+    def __init__(self, dup_s: float = DUPLICATE_WINDOW_S):
+        self._notice = Preemption(dup_s)
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPT_SIGNALS}
+        # After a notice, a worker group that fails is not restarted: its workers were stuck (a
+        # hang) and their grace timers ended them; new workers would train on into the kill.
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        self._agent_cls, self._restart = SimpleElasticAgent, SimpleElasticAgent._restart_workers
+        guard = self
+
+        def restart_unless_preempted(agent, worker_group):
+            if guard._notice.first is not None:
+                sig = signal.Signals(guard._notice.first[0])
+                log.error("workers failed after %s: not restarting them, the job stops", sig.name)
+                raise SignalException(f"preempted ({sig.name}) while the workers failed", sigval=sig)
+            return guard._restart(agent, worker_group)
+
+        SimpleElasticAgent._restart_workers = restart_unless_preempted
+        return self
+
+    def _handle(self, signum, frame):
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        action, sig = self._notice.notify(signum, time.monotonic()), signal.Signals(signum)
+        if action is Action.DUPLICATE:
+            return
+        if action is Action.ESCALATE:
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)  # agent: shut down
+        log.warning("received %s: asking the workers to checkpoint and stop", sig.name)
+        for p in multiprocessing.active_children():  # the agent's workers (spawned by this process)
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def __exit__(self, *exc):
+        self._agent_cls._restart_workers = self._restart
+        for sig, h in self._previous.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)

@@ -30,7 +30,7 @@ import time
 
 from torch.distributed.elastic import metrics
 
-from goodput.resilience.accounting import process_start
+from goodput.resilience.accounting import process_start, restart_round
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ PHASES = (
     "first_step",
 )
 AGENT_FILE = "elastic/agent_phases.jsonl"
-
-
-def restart_round() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class AgentPhases(metrics.MetricHandler):

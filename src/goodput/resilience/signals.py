@@ -7,11 +7,48 @@ other import can start a thread that would take a signal meant to be ignored.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import signal
 import threading
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+DUPLICATE_WINDOW_S = 2.0  # one notice by two routes: sent to the process group, forwarded by the agent
+
+
+class Action(enum.Enum):
+    FIRST = "first"  # the notice: checkpoint and stop at the step boundary (or forward it)
+    DUPLICATE = "duplicate"  # the same notice again by another route: nothing to do
+    ESCALATE = "escalate"  # a second notice: stop now
+
+
+class Preemption:
+    """The rule for preemption signals, written once for every process that handles them (the
+    worker's StopSignal and GraceTimer, the elastic agent's LeaveStopToWorkers).
+
+    idle -> notified on the first signal (FIRST); the same signal again less than `dup_s` after the
+    first is DUPLICATE, any other signal or a later one ESCALATE (-> escalated; the same rule keeps
+    applying after it). Pure: the caller passes the clock's reading `now` and acts on the Action."""
+
+    def __init__(self, dup_s: float = DUPLICATE_WINDOW_S):
+        self.dup_s = dup_s
+        self.first: tuple[int, float] | None = None  # (signal number, time) of the notice
+        self.escalated = False
+
+    @property
+    def state(self) -> str:
+        return "escalated" if self.escalated else "idle" if self.first is None else "notified"
+
+    def notify(self, signum: int, now: float) -> Action:
+        if self.first is None:
+            self.first = (signum, now)
+            return Action.FIRST
+        if signum == self.first[0] and now - self.first[1] < self.dup_s:
+            return Action.DUPLICATE
+        self.escalated = True
+        return Action.ESCALATE
+
+
 # Set while the loop runs: a helper *spawned* meanwhile (DCP's async-checkpoint daemon with
 # checkpoint.backend.async_type=process) imports the entry script as __mp_main__, which then calls
 # obey_parent_only(). (A spawn child starts with an empty signal mask and default handlers.)
@@ -66,15 +103,15 @@ class GraceTimer:
     never starts. The C-level handler does write the signal's number to the wakeup fd
     (`signal.set_wakeup_fd`) at once, whatever the main thread does; a thread of ours reads it and
     runs the timer: after `grace_s`, the process exits (128 + signal) unless `cancel()` came first
-    (every rank reached the step boundary). A second signal exits at once, except the same one
-    again within `dup_s` (one notice by two routes). Main thread only; elsewhere it does nothing."""
+    (every rank reached the step boundary). A second signal exits at once (Preemption's ESCALATE).
+    Main thread only; elsewhere it does nothing."""
 
-    def __init__(self, grace_s: float, dup_s: float = 2.0):
+    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S):
         import socket
 
-        self.grace_s, self.dup_s = grace_s, dup_s
+        self.grace_s = grace_s
         self._lock = threading.Lock()
-        self._first = None
+        self._notice = Preemption(dup_s)
         self._cancelled = False
         self._timer = None
         self._old = None
@@ -105,11 +142,11 @@ class GraceTimer:
 
         now = time.monotonic()
         with self._lock:
-            if self._first is not None:
-                if signum == self._first[0] and now - self._first[1] < self.dup_s:
-                    return
+            action = self._notice.notify(signum, now)
+            if action is Action.DUPLICATE:
+                return
+            if action is Action.ESCALATE:
                 os._exit(128 + signum)
-            self._first = (signum, now)
             if not self._cancelled:
                 self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
                 self._timer.daemon = True

@@ -19,9 +19,9 @@ from goodput.checkpoint import AppState, CheckpointManager, RNGState
 from goodput.config import Config, ConfigError, monitors_logged
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
-from goodput.resilience.accounting import Attempts, Ledger
+from goodput.resilience.accounting import Attempts, Ledger, restart_round
 from goodput.resilience.fault import Faults
-from goodput.resilience.recovery import Recovery, agent_phases, restart_round
+from goodput.resilience.recovery import Recovery, agent_phases
 from goodput.resilience.recovery import failure_time as recovery_failure_time
 from goodput.resilience.watchdog import Watchdog
 from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model

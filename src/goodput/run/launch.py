@@ -9,21 +9,18 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import signal
-import time
 import uuid
 
 from goodput.config import Config
 from goodput.parallel import free_port
+from goodput.resilience.preemption import LeaveStopToWorkers, hand_back
 from goodput.resilience.recovery import AgentPhases
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.run.context import RunContext
 from goodput.run.worker import worker
-
-log = logging.getLogger(__name__)
 
 
 class RendezvousUnreachable(RuntimeError):
@@ -60,71 +57,8 @@ def launch(c: Config, ctx: RunContext) -> dict | None:
         summary = worker(c, ctx)
     else:
         summary = _elastic(c, ctx)
-    _hand_back(summary, previous, c.trainer.max_steps)
+    hand_back(summary, previous, c.trainer.max_steps)
     return summary
-
-
-def _hand_back(summary: dict | None, previous: dict, max_steps: int) -> None:
-    name = (summary or {}).get("preempted")
-    if name is None or summary["steps"] >= max_steps:  # finished anyway: nothing to requeue
-        return
-    handler = previous.get(getattr(signal, name or "", None))
-    if callable(handler) and handler is not signal.default_int_handler:  # that one would raise
-        log.info("checkpoint committed: passing %s on to the handler installed before the run", name)
-        handler(getattr(signal, name), None)
-
-
-class _LeaveStopToWorkers:
-    """While the elastic agent runs in this process: a preemption signal is the workers' to act on
-    (they finish the step, checkpoint and exit 0, and the agent sees success). The agent's own
-    handler would tear them down and exit non-zero, so it is kept off these signals (LaunchConfig
-    signals_to_handle). A signal this process alone received is forwarded to the workers (a copy
-    they also got from the process group counts once, see loop.StopSignal); another signal later
-    hands over to the agent's teardown, as its own handler would have done."""
-
-    def __init__(self, dup_s: float = 2.0):
-        self.dup_s, self._first = dup_s, None
-
-    def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPT_SIGNALS}
-        # After a notice, a worker group that fails is not restarted: its workers were stuck (a
-        # hang) and their grace timers ended them; new workers would train on into the kill.
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-        from torch.distributed.elastic.multiprocessing import SignalException
-
-        self._agent_cls, self._restart = SimpleElasticAgent, SimpleElasticAgent._restart_workers
-        guard = self
-
-        def restart_unless_preempted(agent, worker_group):
-            if guard._first is not None:
-                sig = signal.Signals(guard._first[0])
-                log.error("workers failed after %s: not restarting them, the job stops", sig.name)
-                raise SignalException(f"preempted ({sig.name}) while the workers failed", sigval=sig)
-            return guard._restart(agent, worker_group)
-
-        SimpleElasticAgent._restart_workers = restart_unless_preempted
-        return self
-
-    def _handle(self, signum, frame):
-        from torch.distributed.elastic.multiprocessing import SignalException
-
-        now, sig = time.monotonic(), signal.Signals(signum)
-        if self._first is not None:
-            if self._first[0] == signum and now - self._first[1] < self.dup_s:
-                return
-            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)  # agent: shut down
-        self._first = (signum, now)
-        log.warning("received %s: asking the workers to checkpoint and stop", sig.name)
-        for p in multiprocessing.active_children():  # the agent's workers (spawned by this process)
-            try:
-                os.kill(p.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    def __exit__(self, *exc):
-        self._agent_cls._restart_workers = self._restart
-        for sig, h in self._previous.items():
-            signal.signal(sig, h if h is not None else signal.SIG_DFL)
 
 
 def _elastic(c: Config, ctx: RunContext) -> dict | None:
@@ -149,11 +83,11 @@ def _elastic(c: Config, ctx: RunContext) -> dict | None:
         max_restarts=par.max_restarts,
         monitor_interval=0.1,  # torchrun's default: a dead worker is noticed within 0.1 s
         start_method="forkserver",  # see preload_forkserver
-        signals_to_handle="SIGHUP,SIGQUIT",  # TERM, INT, USR1, USR2: _LeaveStopToWorkers
+        signals_to_handle="SIGHUP,SIGQUIT",  # TERM, INT, USR1, USR2: LeaveStopToWorkers
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctx.run_dir, "elastic")),
     )
     try:
-        with _LeaveStopToWorkers():
+        with LeaveStopToWorkers():
             results = elastic_launch(lc, worker)(c, ctx)
     except RendezvousError as e:
         raise RendezvousUnreachable(

@@ -23,7 +23,7 @@ from goodput.checkpoint.resume import resume
 from goodput.config import Config
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
-from goodput.resilience.accounting import plot, process_start
+from goodput.resilience.accounting import plot, process_start, restart_round
 from goodput.resilience.recovery import Recovery, summarize
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.resilience.watchdog import hung_seconds
@@ -41,7 +41,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     _process_defaults(c)
     # Start-up counts from the job process's start (imports included); after an elastic restart,
     # from this worker's: the gap since the crash is lost time.
-    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    first = restart_round() == 0
     t_start = ctx.job_start if first else process_start()
     recovery = Recovery()
     recovery.mark("imports_done")  # this module is imported before `worker` is called
