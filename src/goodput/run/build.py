@@ -16,6 +16,8 @@ import torch
 from hydra.utils import instantiate
 
 from goodput.checkpoint import AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.checkpoint.commits import Commits
+from goodput.checkpoint.manager import view as commits_view
 from goodput.config import ConfigError, monitors_logged
 from goodput.data.loader import DataConfig, ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
@@ -59,6 +61,13 @@ def checkpoint_manager(c: dict, d=None, fault=None) -> CheckpointManager:
         commit_info={"config_hash": c.get("config_hash"), "mlflow_run_id": c.get("mlflow_run_id"),
                      "run": c["run"]["name"]},
     )  # fmt: skip
+
+
+def checkpoint_commits(c: dict) -> Commits:
+    """The `checkpoint` node's read-only view of the run's commits (the job process's, before any
+    worker): the storage of checkpoint.dir only; no backend is built, no staging dir created."""
+    ck = c["checkpoint"]
+    return commits_view(CheckpointConfig(**ck), storage(c, ck["dir"]))
 
 
 class Trainer:

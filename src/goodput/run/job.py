@@ -16,7 +16,6 @@ import time
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput.checkpoint.resume import explicit_checkpoint
 from goodput.config import config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
@@ -56,14 +55,14 @@ def prepare(
 
     if leader:
         ensure_data(c)
-    mgr = build.checkpoint_manager(c)  # a view of the run's checkpoints from this process
-    committed = mgr.committed()
+    view = build.checkpoint_commits(c)  # read-only: no backend, no staging dir from this process
+    committed = view.committed()
     lock = None
     if leader:
-        lock = RunLock(mgr.storage, c["run"]["lock_stale_seconds"])
+        lock = RunLock(view.storage, c["run"]["lock_stale_seconds"])
         lock.acquire()
     try:
-        _prepare_run(c, mgr, committed, leader, choices)
+        _prepare_run(c, view, committed, leader, choices)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -71,10 +70,10 @@ def prepare(
     return c, lock
 
 
-def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
-    resume, store = str(c["run"]["resume"]), mgr.storage
+def _prepare_run(c: dict, view, committed: list, leader: bool, choices) -> None:
+    resume, store = str(c["run"]["resume"]), view.storage
     if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
-        explicit_checkpoint(mgr, resume)
+        view.resolve(resume)
     if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c["run"]["overwrite"]:
             raise FileExistsError(
@@ -88,7 +87,7 @@ def _prepare_run(c: dict, mgr, committed: list, leader: bool, choices) -> None:
         committed = []
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
-    newest = mgr.newest_verified(committed) if resume == "auto" and committed else None
+    newest = view.newest_verified(committed) if resume == "auto" and committed else None
     if newest is not None and newest["step"] >= c["trainer"]["max_steps"]:
         raise AlreadyDone(
             f"run '{c['run']['name']}' already reached step {newest['step']} "
