@@ -385,3 +385,21 @@ def test_the_job_process_checks_commits_without_a_backend_or_staging(tmp_path, d
     prepare(compose_job("trainer.max_steps=7"), str(tmp_path / "run"))  # no "already done"
     assert not os.path.exists(ck["staging_dir"])
     assert built_by == ["goodput.config"] * 4  # validate's check of the node only, once per job
+
+
+def test_advise_names_the_run_of_the_newest_intact_commit(tmp_path, dist1):
+    """`advise <checkpoint dir>` takes the MLflow run from the newest commit by the same rules as
+    resume: a newer step dir whose files are missing is skipped, the older intact commit names it."""
+    from goodput.calculator.advise import run_id
+
+    mgr = manager(tmp_path, "torch_save", dist1)
+    app, _, _ = make_app(1)
+    for step, rid in ((3, "a" * 32), (5, "b" * 32)):
+        mgr.commit_info = {"mlflow_run_id": rid}
+        mgr.save(step, app)
+        mgr.wait()
+    remote = tmp_path / "remote"
+    assert run_id(str(remote)) == "b" * 32
+    (f,) = [p for p in (remote / "step-000000005").iterdir() if p.name not in ("COMMIT.json", "ranks")]
+    f.unlink()
+    assert run_id(str(remote)) == "a" * 32
