@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -334,3 +335,71 @@ def test_commit_sees_a_manifest_that_lands_after_the_first_listing(tmp_path, s3_
     assert committed - landed[0] < 1.0, f"commit {committed - landed[0]:.2f}s after the last manifest"
     rec = rank0.committed()[0]
     assert rec["step"] == 5 and rec["world_size"] == 2 and set(rec["files"]) == {"state.pt"}
+
+
+def test_the_job_process_checks_commits_without_a_backend_or_staging(tmp_path, dist1, monkeypatch):
+    """goodput.run.job.prepare lists, verifies and resolves the run's commits through a read-only
+    view of checkpoint.dir: it never builds the checkpoint backend nor creates checkpoint.staging_dir
+    (a non-leader rank: no demo data, lock or MLflow run, only the checks)."""
+    from helpers import REPO
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from goodput.run.job import AlreadyDone, prepare
+
+    def compose_job(*overrides):
+        with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+            return compose("train", overrides=["experiment=smoke", f"paths.root={tmp_path}", *overrides])
+
+    ck = OmegaConf.to_container(compose_job(), resolve=True)["checkpoint"]
+    writer = manager(tmp_path, "torch_save", dist1, remote=ck["dir"])  # stages in tmp_path/staging
+    app, _, _ = make_app(1)
+    writer.save(7, app)
+    writer.wait()
+    assert not os.path.exists(ck["staging_dir"])
+
+    cls = get_class(ck["backend"]["_target_"])
+    built_by, init = [], cls.__init__
+
+    def recorded_init(self, *a, **kw):  # which goodput module built a backend (through instantiate)
+        f = sys._getframe(1)
+        while not f.f_globals.get("__name__", "").startswith("goodput"):
+            f = f.f_back
+        built_by.append(f.f_globals["__name__"])
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "__init__", recorded_init)
+    monkeypatch.setenv("RANK", "1")
+    step7 = f"{ck['dir']}/step-000000007"
+    with pytest.raises(AlreadyDone, match="already reached step 7"):  # listed and verified
+        prepare(compose_job("trainer.max_steps=7"), str(tmp_path / "run"))
+    prepare(compose_job("trainer.max_steps=7", f"run.resume={step7}"), str(tmp_path / "run"))
+    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+        prepare(compose_job(f"run.resume={ck['dir']}/step-000000003"), str(tmp_path / "run"))
+    (f,) = [n for n in os.listdir(step7) if n not in ("COMMIT.json", "ranks")]
+    with open(os.path.join(step7, f), "r+b") as fh:  # same size, other bytes: not trusted
+        first = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([first[0] ^ 0xFF]))
+    prepare(compose_job("trainer.max_steps=7"), str(tmp_path / "run"))  # no "already done"
+    assert not os.path.exists(ck["staging_dir"])
+    assert built_by == ["goodput.config"] * 4  # validate's check of the node only, once per job
+
+
+def test_advise_names_the_run_of_the_newest_intact_commit(tmp_path, dist1):
+    """`advise <checkpoint dir>` takes the MLflow run from the newest commit by the same rules as
+    resume: a newer step dir whose files are missing is skipped, the older intact commit names it."""
+    from goodput.calculator.advise import run_id
+
+    mgr = manager(tmp_path, "torch_save", dist1)
+    app, _, _ = make_app(1)
+    for step, rid in ((3, "a" * 32), (5, "b" * 32)):
+        mgr.commit_info = {"mlflow_run_id": rid}
+        mgr.save(step, app)
+        mgr.wait()
+    remote = tmp_path / "remote"
+    assert run_id(str(remote)) == "b" * 32
+    (f,) = [p for p in (remote / "step-000000005").iterdir() if p.name not in ("COMMIT.json", "ranks")]
+    f.unlink()
+    assert run_id(str(remote)) == "a" * 32

@@ -14,19 +14,11 @@ def _is_dir(run: str) -> bool:
 def run_id(run: str) -> str:
     """A checkpoint dir's newest COMMIT.json names the MLflow run; anything else is taken as a run id."""
     if _is_dir(run):
-        from goodput.checkpoint.layout import parse_step
+        from goodput.checkpoint.commits import Commits
         from goodput.storage.remote import Storage
-        from goodput.untrusted import parse_record
 
-        store = Storage(run)
-        steps = sorted(
-            (n for n, size in store.ls().items() if size == -1 and parse_step(n) is not None), key=parse_step
-        )
-        for name in reversed(steps):
-            try:
-                rid = parse_record(store.read_bytes(f"{name}/COMMIT.json"), name).get("mlflow_run_id")
-            except (FileNotFoundError, ValueError):
-                continue
+        for rec in Commits(Storage(run)).committed():  # newest first, by the job's own rules
+            rid = rec.get("mlflow_run_id")
             if isinstance(rid, str) and rid:
                 return rid
         raise InputError("run", f"no committed checkpoint with an MLflow run id in {run}")

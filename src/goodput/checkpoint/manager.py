@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from goodput.checkpoint.backends import READERS
+from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.checkpoint.layout import (
     COMMIT,
     RANKS,
-    CommitError,
     commit_record,
     manifest,
-    parse_commit,
     parse_manifest,
     parse_step,
     step_dir,
@@ -43,9 +42,16 @@ from goodput.resilience.signals import signals_blocked
 from goodput.run.monitor import Best
 from goodput.storage.checksum import CHECKSUM, file_digest
 from goodput.storage.remote import DIR, FOREIGN, Storage
-from goodput.untrusted import regular
 
 log = logging.getLogger(__name__)
+
+
+def view(cfg: CheckpointConfig, storage: Storage) -> Commits:
+    """The read-only view of `cfg`'s commits in `storage` (checkpoint.dir), verifying against the
+    node-local copies in staging_dir where they are: what the job process checks the run with,
+    without building a backend or creating the staging dir. Here, not in commits.py: the manager is
+    the one component that reads checkpoint.staging_dir (tests/test_keys.py)."""
+    return Commits(storage, kept=cfg.staging_dir)
 
 
 class ChecksumMismatch(OSError):
@@ -85,6 +91,7 @@ class CheckpointManager:
         self.metrics: list[dict] = []  # per-save metrics, drained by the loop
         self.best = Best(cfg.keep_best_by, cfg.keep_best_mode)  # Stateful: registered in the AppState
         self._new_best = False
+        self.commits = view(cfg, storage)  # listing and verification: the job process's rules too
         os.makedirs(cfg.staging_dir, exist_ok=True)
 
     # -- when ------------------------------------------------------------------------------
@@ -315,90 +322,24 @@ class CheckpointManager:
 
     # -- discovery ---------------------------------------------------------------------------
     def committed(self) -> list[dict]:
-        """Committed checkpoints, newest first (by the parsed step, not the name). Cheap checks only:
-        COMMIT.json parses and every listed file exists with its size. Loading is the real test (see
-        restore). An entry that is not a step dir in the one form `step_dir` writes (another spelling,
-        a link, a file) is ignored with a warning naming it: it never decides what is loaded."""
-        out = []
+        """Committed checkpoints, newest first (goodput.checkpoint.commits.Commits.committed); the
+        listing also tells `_set_aside` which step dirs exist and which entries are links."""
         listing = self.storage.ls()
         self._listed(listing)
-        steps = []
-        for name, size in listing.items():
-            step = parse_step(name)
-            if step is not None and size == DIR:
-                steps.append((step, name))
-            elif step is not None or (name.startswith("step-") and ".superseded-" not in name):
-                log.warning(
-                    "ignoring %s: not a step directory (%s)", self.storage.url(name),
-                    "a symbolic link or special file" if size == FOREIGN else
-                    "a file" if step is not None else f"not named {step_dir(0)[:5]}<9 digits>",
-                )  # fmt: skip
-        for _, name in sorted(steps, reverse=True):
-            rec = self.read_commit(name)
-            if rec is not None:
-                out.append(rec)
-        return out
+        return self.commits.committed(listing)
 
     def _listed(self, listing: dict[str, int]) -> None:
         self._existing = {n for n, size in listing.items() if size == DIR}
         self._foreign = {n for n, size in listing.items() if size == FOREIGN}
 
     def read_commit(self, rel: str) -> dict | None:
-        """The checked commit record of step dir `rel`, or None (with a warning naming why)."""
-        try:
-            rec = parse_commit(self.storage.read_bytes(f"{rel}/{COMMIT}"), rel)
-            present = self.storage.ls(rel)
-        except FileNotFoundError:
-            return None
-        except CommitError as e:
-            log.warning("skipping %s: %s", self.storage.url(f"{rel}/{COMMIT}"), e)
-            return None
-        foreign = [f for f in rec["files"] if present.get(f) == FOREIGN]
-        if foreign:
-            log.warning(
-                "skipping %s: links or special files, never read: %s", self.storage.url(rel), foreign[:5]
-            )
-            return None
-        bad = [f for f, m in rec["files"].items() if present.get(f) != m["bytes"]]
-        if bad:
-            log.warning("skipping %s: files missing or of the wrong size: %s", self.storage.url(rel), bad[:5])
-            return None
-        return rec
+        return self.commits.read_commit(rel)
 
     def verify(self, rec: dict, local: bool = True) -> str | None:
-        """None when every file of commit `rec` has its recorded size and checksum, else what is
-        wrong, naming the file. Reads the node-local copy of that save where staging keeps it (a
-        local read; not with `local=False`), else streams the remote file through its checksum."""
-        kept = os.path.join(self.cfg.staging_dir, rec["dir"])
-        for name, want in rec["files"].items():
-            try:
-                if not local:
-                    raise FileNotFoundError(name)
-                got = file_digest(regular(os.path.join(kept, name), "staging"))
-                if got.size == want["bytes"] and got.digest == want[CHECKSUM]:
-                    continue
-            except (OSError, ValueError):
-                pass
-            url = self.storage.url(f"{rec['dir']}/{name}")
-            try:
-                got = self.storage.digest(f"{rec['dir']}/{name}", limit=want["bytes"])
-            except Exception as e:
-                return f"{url}: unreadable ({e})"
-            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
-                return (
-                    f"{url}: {got.size} bytes with {CHECKSUM} {got.digest}, the commit records "
-                    f"{want['bytes']} bytes with {want[CHECKSUM]}"
-                )
-        return None
+        return self.commits.verify(rec, local)
 
     def newest_verified(self, committed: list[dict]) -> dict | None:
-        """The newest of `committed` whose bytes verify (`verify`); each one skipped is a warning."""
-        for rec in committed:
-            why = self.verify(rec)
-            if why is None:
-                return rec
-            log.warning("not trusting %s: %s", self.storage.url(rec["dir"]), why)
-        return None
+        return self.commits.newest_verified(committed)
 
     def clean_incomplete(self) -> None:
         """Rank 0 at start: remove step dirs that never committed (no COMMIT.json at all). A dir whose

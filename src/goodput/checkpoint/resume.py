@@ -8,7 +8,6 @@ re-applying `none` or an explicit step would throw the progress since then away.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch.distributed as dist
 
@@ -25,20 +24,6 @@ def effective_spec(configured: str) -> str:
     return str(configured)
 
 
-def explicit_checkpoint(mgr: CheckpointManager, resume: str) -> dict:
-    """`run.resume=<path>` must name a committed step dir of this run's checkpoint.dir."""
-    ckpt_dir = mgr.cfg.dir
-    parent, name = os.path.split(resume.rstrip("/"))
-    if parent and os.path.normpath(parent) != os.path.normpath(ckpt_dir):
-        raise FileNotFoundError(f"run.resume={resume}: not a step dir of checkpoint.dir={ckpt_dir}")
-    rec = mgr.read_commit(name)
-    if rec is None:
-        raise FileNotFoundError(
-            f"run.resume={resume}: not a committed checkpoint in checkpoint.dir={ckpt_dir}"
-        )
-    return rec
-
-
 def _candidates(mgr: CheckpointManager, spec: str) -> list[dict]:
     """Rank 0 decides what to try; every rank gets the same list (or the same error)."""
     out = [None, None]
@@ -50,7 +35,7 @@ def _candidates(mgr: CheckpointManager, spec: str) -> list[dict]:
             elif spec == "none":
                 out[0] = []
             else:
-                out[0] = [explicit_checkpoint(mgr, spec)]
+                out[0] = [mgr.commits.resolve(spec)]
         except Exception as e:
             out[1] = f"{type(e).__name__}: {e}"
     if mgr.world > 1:

@@ -16,6 +16,8 @@ import torch
 from hydra.utils import instantiate
 
 from goodput.checkpoint import AppState, CheckpointManager, RNGState
+from goodput.checkpoint.commits import Commits
+from goodput.checkpoint.manager import view as commits_view
 from goodput.config import Config, ConfigError, monitors_logged
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
@@ -60,6 +62,12 @@ def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> Chec
         commit_info={"config_hash": ctx and ctx.config_hash, "mlflow_run_id": ctx and ctx.mlflow_run_id,
                      "run": c.run.name},
     )  # fmt: skip
+
+
+def checkpoint_commits(c: Config) -> Commits:
+    """The `checkpoint` node's read-only view of the run's commits (the job process's, before any
+    worker): the storage of checkpoint.dir only; no backend is built, no staging dir created."""
+    return commits_view(c.checkpoint, storage(c, c.checkpoint.dir))
 
 
 class Trainer:

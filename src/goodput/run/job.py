@@ -17,7 +17,6 @@ from dataclasses import replace
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput.checkpoint.resume import explicit_checkpoint
 from goodput.config import Config, config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
@@ -61,14 +60,14 @@ def prepare(
 
     if leader:
         ensure_data(c)
-    mgr = build.checkpoint_manager(c, ctx)  # a view of the run's checkpoints from this process
-    committed = mgr.committed()
+    view = build.checkpoint_commits(c)  # read-only: no backend, no staging dir from this process
+    committed = view.committed()
     lock = None
     if leader:
-        lock = RunLock(mgr.storage, c.run.lock_stale_seconds)
+        lock = RunLock(view.storage, c.run.lock_stale_seconds)
         lock.acquire()
     try:
-        ctx = _prepare_run(c, ctx, mgr, committed, leader, params)
+        ctx = _prepare_run(c, ctx, view, committed, leader, params)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -76,10 +75,10 @@ def prepare(
     return c, ctx, lock
 
 
-def _prepare_run(c: Config, ctx: RunContext, mgr, committed: list, leader: bool, params: dict) -> RunContext:
-    resume, store = str(c.run.resume), mgr.storage
+def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool, params: dict) -> RunContext:
+    resume, store = str(c.run.resume), view.storage
     if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
-        explicit_checkpoint(mgr, resume)
+        view.resolve(resume)
     if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c.run.overwrite:
             raise FileExistsError(
@@ -93,7 +92,7 @@ def _prepare_run(c: Config, ctx: RunContext, mgr, committed: list, leader: bool,
         committed = []
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
-    newest = mgr.newest_verified(committed) if resume == "auto" and committed else None
+    newest = view.newest_verified(committed) if resume == "auto" and committed else None
     if newest is not None and newest["step"] >= c.trainer.max_steps:
         raise AlreadyDone(
             f"run '{c.run.name}' already reached step {newest['step']} "
