@@ -113,7 +113,8 @@ def test_begin_adds_the_start_ups_the_restored_ledger_lacks(tmp_path):
     g1.attempts.beat(20)
     # ...and crashes; attempt 2 restores attempt 1's commit: attempt 0's start-up is not added twice,
     # and the hang detected after that commit's save (the restored ledger lacks it) is added.
-    hang = {"hung-1.fired": {"attempt": 1, "detected": now + 5, "hung_seconds": 3.0}}
+    hang = {"hung-1.fired": {"attempt": 1, "detected": now + 5, "hung_seconds": 3.0},
+            "hung-0.fired": {"attempt": 0, "detected": now - 1, "hung_seconds": 50.0}}  # fmt: skip  # in it
     g2 = _goodput(store, markers=hang)
     g2.ledger.load_state_dict(saved)
     assert g2.begin({"step": 10, "time": now}, time.time() - 1) == 2
