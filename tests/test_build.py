@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,11 +26,9 @@ from goodput.data.loader import ResumableLoader
 from goodput.data.sources import RemoteSource
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, Single, init_distributed, shutdown_distributed
-from goodput.resilience.accounting import Attempts, Ledger, process_start
-from goodput.resilience.fault import FaultConfig
+from goodput.resilience.accounting import process_start
 from goodput.run import build
 from goodput.run.context import RunContext
-from goodput.run.worker import begin_attempt
 from goodput.storage.remote import Storage
 
 SRC = REPO / "src"
@@ -333,41 +330,6 @@ def test_process_start_includes_the_imports():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=entry_env())
     before_first_statement = float(p.stdout.strip() or "nan")
     assert 0 <= before_first_statement < 1.0, p.stderr[-500:]
-
-
-def _trainer(store, ledger: Ledger, rank: int = 0):
-    return SimpleNamespace(
-        dist=SimpleNamespace(rank=rank, world=1),
-        attempts=Attempts(store),
-        ledger=ledger,
-        cfg=SimpleNamespace(fault=FaultConfig(), seed=0),
-        faults=SimpleNamespace(arm_random=lambda *a: None, arm_chaos=lambda *a: None, fired=lambda: {}),
-        tracker=SimpleNamespace(set_tags=lambda tags: None),
-        watchdog=SimpleNamespace(attempt=None),
-    )
-
-
-def test_a_crash_before_the_first_commit_keeps_every_start_up(tmp_path):
-    store = Storage(str(tmp_path))
-    now = time.time()
-    # Attempt 0's process started 4 s ago; it is ready now, and crashes before its first commit.
-    t0 = _trainer(store, Ledger())
-    assert begin_attempt(t0, None, now - 4) == 0
-    assert t0.attempts.record["startup"] == pytest.approx(4.0, abs=0.5)
-    t0.attempts.beat(7)
-    # Attempt 1 restores nothing, starts 2 s before now: its ledger holds both start-ups.
-    t1 = _trainer(store, Ledger())
-    assert begin_attempt(t1, None, now - 2) == 1
-    assert t1.ledger.run_start == pytest.approx(now - 4)  # wall time from the first start
-    assert t1.ledger.totals["startup"] == pytest.approx(4.0 + 2.0, abs=0.5)
-    saved = t1.ledger.state_dict()  # attempt 1 commits...
-    t1.attempts.record.update(startup=2.0)
-    t1.attempts.beat(20)
-    # ...and crashes; attempt 2 restores attempt 1's commit: attempt 0's start-up is not added twice.
-    t2 = _trainer(store, Ledger())
-    t2.ledger.load_state_dict(saved)
-    assert begin_attempt(t2, {"step": 10}, time.time() - 1) == 2
-    assert t2.ledger.totals["startup"] == pytest.approx(saved["totals"]["startup"] + 1.0, abs=0.5)
 
 
 # -- a dataset class by _target_ -------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,6 +90,17 @@ def test_the_compile_clock_counts_torchs_compile_time_only(monkeypatch):
     assert clock.take() == pytest.approx(2.0)
     assert clock.take() == 0.0 and clock.total == pytest.approx(2.0)
     assert CompileClock(False).take() == 0.0
+
+
+def test_what_a_start_paid_is_the_clocks_total_and_its_caches_source():
+    """The attempt record's `compile` (summary.json's `compile`, recovery's compile_seconds)."""
+    cache = SimpleNamespace(loaded=3, source="remote", save=lambda: None)
+    clock = CompileClock(True, cache)
+    clock.total = 1.23456
+    paid = clock.paid()
+    assert paid["first_step_seconds"] == 1.2346 and paid["cache_artifacts_loaded"] == 3
+    assert paid["cache_source"] == "remote" and "fxgraph_cache_hit" in paid
+    assert CompileClock(False).paid() is None
 
 
 def test_sync_point_synchronizes_only_on_cuda():

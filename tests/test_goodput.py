@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import REPO
 
+from goodput.resilience import recovery as recovery_module
 from goodput.resilience.accounting import Attempts, Ledger
+from goodput.resilience.bookkeeping import Goodput
+from goodput.resilience.recovery import Recovery
 from goodput.storage.remote import Storage
 
 
@@ -71,6 +76,89 @@ def test_attempt_records_count_restarts_and_lost_steps(tmp_path):
     assert a2.begin(30) == 2
     a2.beat(50)
     assert a2.lost_steps() == (17 - 10) + (33 - 30)
+
+
+class _Tracker:
+    def __init__(self):
+        self.tags, self.logged = {}, []
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def log(self, metrics, step):
+        self.logged.append((step, metrics))
+
+
+def _goodput(store, ledger=None, markers=None, recovery=None, compile_paid=lambda: None):
+    faults = SimpleNamespace(fired=lambda: markers or {})
+    return Goodput(ledger or Ledger(), store, 0, 1, "no-run-dir", _Tracker(), faults, recovery, compile_paid)
+
+
+def test_begin_adds_the_start_ups_the_restored_ledger_lacks(tmp_path):
+    store = Storage(str(tmp_path))
+    now = time.time()
+    # Attempt 0's process started 4 s ago; it is ready now, and crashes before its first commit.
+    g0 = _goodput(store)
+    assert g0.begin(None, now - 4) == 0
+    assert g0.attempts.record["startup"] == pytest.approx(4.0, abs=0.5)
+    g0.attempts.beat(7)
+    # Attempt 1 restores nothing, starts 2 s before now: its ledger holds both start-ups.
+    g1 = _goodput(store)
+    assert g1.begin(None, now - 2) == 1
+    assert g1.ledger.run_start == pytest.approx(now - 4)  # wall time from the first start
+    assert g1.ledger.totals["startup"] == pytest.approx(4.0 + 2.0, abs=0.5)
+    assert g1.tracker.tags == {"restarts": 1, "restart.1.resumed_from": None}
+    saved = g1.ledger.state_dict()  # attempt 1 commits at step 10...
+    g1.attempts.record.update(startup=2.0)
+    g1.attempts.beat(20)
+    # ...and crashes; attempt 2 restores attempt 1's commit: attempt 0's start-up is not added twice,
+    # and the hang detected after that commit's save (the restored ledger lacks it) is added.
+    hang = {"hung-1.fired": {"attempt": 1, "detected": now + 5, "hung_seconds": 3.0},
+            "hung-0.fired": {"attempt": 0, "detected": now - 1, "hung_seconds": 50.0}}  # fmt: skip  # in it
+    g2 = _goodput(store, markers=hang)
+    g2.ledger.load_state_dict(saved)
+    assert g2.begin({"step": 10, "time": now}, time.time() - 1) == 2
+    assert g2.ledger.totals["startup"] == pytest.approx(saved["totals"]["startup"] + 1.0, abs=0.5)
+    assert g2.ledger.totals["hung"] == 3.0
+    assert g2.ledger.run_start == saved["run_start"] and g2.ledger.resumed_from == [10]
+    assert g2.summary(25)["goodput"]["lost_steps"] == (7 - 0) + (20 - 10)
+
+
+def test_summary_gathers_every_restarts_record_and_their_medians(tmp_path, monkeypatch):
+    """Three attempts, the last two after a kill at a known time: step_done's first call writes the
+    restart's phase record (and the compile cost) to the attempt record and MLflow, and summary()
+    reads them back from the store, with medians over the restarts."""
+    store = Storage(str(tmp_path))
+    kills, took = {}, {1: 2.0, 2: 6.0}  # restart -> seconds from the kill to its first step
+    t0, last = time.time() + 100, None  # marks later than every attempt's start, as real ones are
+    for n in range(3):
+        recovery = Recovery()
+        g = _goodput(store, markers=dict(kills), recovery=recovery,
+                     compile_paid=lambda n=n: {"first_step_seconds": 0.5 * n})  # fmt: skip
+        assert g.begin({"step": 10 * n} if n else None, time.time()) == n
+        recovery.marks = {"process_started": t0 + 1000 * n, "ready": t0 + 1000 * n + 1}
+        if n:  # the kill was 1 s before this process started; the first step is marked `took` after it
+            clock = SimpleNamespace(time=lambda n=n: t0 + 1000 * n - 1 + took[n])
+            monkeypatch.setattr(recovery_module, "time", clock)
+        assert g.step_done(10 * n + 1) is True and g.step_done(10 * n + 2) is False
+        g.attempts.beat(10 * n + 5)
+        kills[f"kill-{n}.fired"] = {"time": t0 + 1000 * (n + 1) - 1}
+        last = g
+    s = last.summary(30)
+    assert s["restarts"] == 2 and s["resumed_from_steps"] == [20]
+    per = s["recovery"]["per_restart"]
+    assert [r["attempt"] for r in per] == [1, 2]
+    assert [r["total_seconds"] for r in per] == pytest.approx([2.0, 6.0], abs=1e-3)
+    assert [r["failure_source"] for r in per] == ["fault_marker"] * 2
+    assert [r["compile_seconds"] for r in per] == [0.5, 1.0]
+    assert s["recovery"]["restarts"] == 2
+    assert s["recovery"]["total_median_seconds"] == pytest.approx(4.0, abs=1e-3)
+    medians = s["recovery"]["median_seconds"]
+    assert medians["process_started"] == pytest.approx(1.0, abs=1e-3)  # kill -> process start, both times
+    assert medians["first_step"] == pytest.approx(2.0, abs=1e-3)  # ready -> first step: 0 s and 4 s
+    assert s["compile"] == [{"attempt": n, "first_step_seconds": 0.5 * n} for n in range(3)]
+    step, metrics = last.tracker.logged[0]  # MLflow's recovery/*, at step = the restart's number
+    assert step == 2 and metrics["recovery/total_seconds"] == pytest.approx(6.0, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ Every function here takes the typed config (goodput.config.Config) and returns o
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 
@@ -21,12 +20,12 @@ from goodput.checkpoint.manager import view as commits_view
 from goodput.config import Config, ConfigError, monitors_logged
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
-from goodput.resilience.accounting import Attempts, Ledger, restart_round
+from goodput.resilience.accounting import Ledger
+from goodput.resilience.bookkeeping import Goodput
 from goodput.resilience.fault import Faults
-from goodput.resilience.recovery import Recovery, agent_phases
-from goodput.resilience.recovery import failure_time as recovery_failure_time
+from goodput.resilience.recovery import Recovery
 from goodput.resilience.watchdog import Watchdog
-from goodput.run.compiler import CompileCache, CompileClock, cache_counters, compile_model
+from goodput.run.compiler import CompileCache, CompileClock, compile_model
 from goodput.run.context import RunContext
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
@@ -75,7 +74,7 @@ class Trainer:
 
     def __init__(self, c: Config, ctx: RunContext, d, recovery: Recovery | None = None):
         self.cfg, self.ctx, self.dist = c, ctx, d
-        self.recovery = recovery or Recovery()
+        recovery = recovery or Recovery()
         seed = c.seed
         torch.manual_seed(seed)  # same initial weights on every rank
         np.random.seed(seed % 2**32)
@@ -93,7 +92,7 @@ class Trainer:
             raise ValueError(
                 f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
             )
-        self.recovery.mark("data_listed")
+        recovery.mark("data_listed")
 
         wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)
         if wrong:  # now, not at the first evaluation after training up to it
@@ -120,11 +119,11 @@ class Trainer:
             compile_model(self.model, tr.compile_mode, tr.compile_dynamic)
         self.optimizer = instantiate(c.optim.optimizer)(params=self.model.parameters())
         self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
-        self.ledger = Ledger()
+        ledger = Ledger()  # kept by self.goodput
         self.app = AppState(self.model, self.optimizer, d.rank)
         self.app.register("data", self.loader)
         self.app.register("scheduler", self.scheduler)
-        self.app.register("ledger", self.ledger)
+        self.app.register("ledger", ledger)
         self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
 
         self.ckpt = checkpoint_manager(c, ctx, d)
@@ -173,10 +172,13 @@ class Trainer:
             cache = CompileCache(tr.compile_cache_dir, remote, d.rank, d.local_rank)
             cache.activate()
         self.compile_clock = CompileClock(tr.compile, cache)
-        self.attempts = Attempts(self.ckpt_store)
         self.tracker = Tracker(
             c.mlflow.tracking_uri, ctx.mlflow_run_id, enabled=d.rank == 0,
             system_metrics_interval_s=c.mlflow.system_metrics_interval_s,
+        )  # fmt: skip
+        self.goodput = Goodput(
+            ledger, self.ckpt_store, d.rank, d.world, ctx.run_dir, self.tracker, self.faults, recovery,
+            self.compile_clock.paid,
         )  # fmt: skip
         # docs/observability.md: stragglers, MFU and the profiler (goodput.run.observe)
         self.stragglers = StragglerWatch(tr.straggler_factor, tr.straggler_windows, d.rank)
@@ -189,44 +191,11 @@ class Trainer:
         """The module evaluation and export use (`trainer.eval_on`): the model or its EMA."""
         return self.step.eval_module(self.eval_on)
 
-    def attempts_beat(self, step: int) -> None:
-        """The loop calls this after every step: the first one after a (re)start ends the recovery."""
+    def step_done(self, step: int) -> None:
+        """The loop calls this after every step: the watchdog's beat and the run's record."""
         self.watchdog.beat(step)
-        if "first_step" not in self.recovery.marks:
-            self.recovery.mark("first_step")
-            if self.compile_clock.enabled and self.dist.rank == 0:  # cold or warm: what this start paid
-                cc = self.compile_clock.cache
-                self.attempts.record["compile"] = {
-                    "first_step_seconds": round(self.compile_clock.total, 4),
-                    "cache_artifacts_loaded": cc.loaded, "cache_source": cc.source, **cache_counters(),
-                }  # fmt: skip
+        if self.goodput.step_done(step):  # the first since this (re)start
             set_collective_timeout(self.cfg.parallel.collective_timeout_s)  # warm-up is over
-            if self.dist.rank == 0 and self.attempts.record["attempt"] > 0:
-                self.record_recovery(step)
-        if self.dist.rank == 0:
-            self.attempts.beat_async(step)
-
-    def record_recovery(self, step: int) -> None:
-        """Rank 0, once the first step after a restart is done: the restart's phase record goes to the
-        attempt record (the summary gathers them), to MLflow (recovery/*, step = restart number)."""
-        try:
-            n = self.attempts.record["attempt"]
-            prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
-            failure, source = recovery_failure_time(self.faults.fired(), prev)
-            rec = self.recovery.record(failure, source, agent_phases(self.ctx.run_dir, restart_round()))
-            if "compile" in self.attempts.record:  # inside `first_step`, not a phase of its own
-                rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
-            if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
-                rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
-            self.attempts.record["recovery"] = rec
-            self.attempts.beat(step)
-            metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
-            if "total_seconds" in rec:
-                metrics["recovery/total_seconds"] = rec["total_seconds"]
-            self.tracker.log(metrics, n)
-            log.info("recovery %d: %s", n, json.dumps(rec["seconds"]))
-        except Exception as e:  # measuring must never stop training
-            log.warning("could not record the recovery phases: %s", e)
 
     def close(self) -> None:
         self.watchdog.stop()

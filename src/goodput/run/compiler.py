@@ -75,6 +75,14 @@ class CompileClock:
         self.total += dt
         return dt
 
+    def paid(self) -> dict | None:
+        """What this process paid torch.compile so far and where its cache came from (the attempt
+        record's `compile`, read at the first step); None when compile is off."""
+        if not self.enabled:
+            return None
+        return {"first_step_seconds": round(self.total, 4), "cache_artifacts_loaded": self.cache.loaded,
+                "cache_source": self.cache.source, **cache_counters()}  # fmt: skip
+
 
 def cache_counters() -> dict:
     """Hits and misses of inductor's graph cache and AOTAutograd's cache in this process so far."""

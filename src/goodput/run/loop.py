@@ -62,9 +62,9 @@ def train(t) -> dict:
         compiling = t.compile_clock.take()  # seconds of this step that were torch.compile
         t2 = time.perf_counter()
 
-        t.ledger.add("fetch", t1 - t0)
-        t.ledger.add("compile", compiling)
-        t.ledger.add("productive", t2 - t1 - compiling)
+        t.goodput.add("fetch", t1 - t0)
+        t.goodput.add("compile", compiling)
+        t.goodput.add("productive", t2 - t1 - compiling)
         window["fetch"] += t1 - t0
         window["step"] += t2 - t0 - compiling  # perf/images_per_second: the step, not its compile
         window["images"] += len(y)
@@ -88,7 +88,7 @@ def train(t) -> dict:
                 refresh=False,
             )
             window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
-        t.attempts_beat(step)  # how far this attempt got (lost work after a crash); async, never blocks
+        t.step_done(step)  # how far this attempt got (lost work after a crash); async, never blocks
         bar.update(1)
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
@@ -97,8 +97,8 @@ def train(t) -> dict:
                 t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
             )
             compiling = t.compile_clock.take()  # a compiled model compiles again for inference
-            t.ledger.add("compile", compiling)
-            t.ledger.add("eval", time.perf_counter() - te - compiling)
+            t.goodput.add("compile", compiling)
+            t.goodput.add("eval", time.perf_counter() - te - compiling)
             val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
             t.tracker.log(metrics, step)
             t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
@@ -108,7 +108,7 @@ def train(t) -> dict:
         info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
         blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping or early, info=info)
         if blocking is not None:
-            t.ledger.add("checkpoint", blocking)
+            t.goodput.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
         for m in t.ckpt.drain_metrics():
             t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
@@ -124,7 +124,7 @@ def train(t) -> dict:
     stop.restore()
     tw = time.perf_counter()
     t.ckpt.wait()  # the last save must be committed before the process may exit
-    t.ledger.add("checkpoint", time.perf_counter() - tw)
+    t.goodput.add("checkpoint", time.perf_counter() - tw)
     for m in t.ckpt.drain_metrics():
         t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
     reason = "early_stopping" if t.early_stopping.stopped_at == step < max_steps else None

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from dataclasses import asdict
 
 import torch
@@ -24,9 +23,8 @@ from goodput.config import Config
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
-from goodput.resilience.recovery import Recovery, summarize
+from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import PREEMPT_SIGNALS
-from goodput.resilience.watchdog import hung_seconds
 from goodput.run import loop
 from goodput.run.build import Trainer
 from goodput.run.context import RunContext
@@ -59,11 +57,11 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.close()
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
-        restarts = begin_attempt(t, rec, t_start)
+        begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
         result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
-        summary = write_summary(t, result, restarts) if d.rank == 0 else None
+        summary = write_summary(t, result) if d.rank == 0 else None
         finished = True
         return summary
     except BaseException as e:
@@ -102,44 +100,22 @@ def _rank0_view(ctx: RunContext, d) -> RunContext:
 
 
 def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
-    """Record this start (rank 0) and settle the ledger: the wall clock runs from the run's first
-    start, and the start-up of every attempt the restored state does not hold (one that crashed
-    before it committed) is start-up, not unexplained loss. Returns the number of restarts so far."""
-    resumed = rec["step"] if rec else None
-    if rec:
-        t.ledger.resumed_from.append(rec["step"])
-    info = [0, t_start, 0.0, 0.0]  # (restarts so far, the run's first start, uncounted start-ups, hangs)
-    if t.dist.rank == 0:
-        previous = t.attempts.previous()
-        uncounted = sum(a.get("startup", 0.0) for a in previous if a["attempt"] > t.ledger.attempt)
-        hung = hung_seconds(
-            t.faults.fired(), rec.get("time", 0.0) if rec else 0.0
-        )  # the restored ledger lacks them
-        restarts = t.attempts.begin(resumed, start=t_start)
-        info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung]
-    if t.dist.world > 1:
-        dist.broadcast_object_list(info, src=0)
-    restarts, first_start, uncounted, hung = info
+    """The run's record of this start (goodput.resilience.bookkeeping), then the fault drills armed
+    for it (each seeded by the attempt). Returns the number of restarts so far."""
+    restarts = t.goodput.begin(rec, t_start)
     t.watchdog.attempt = restarts
-    t.ledger.add("hung", hung)
     f = t.cfg.fault
     t.faults.arm_random(f.mtbf_seconds, f.max_kills, t.cfg.seed, restarts)
     t.faults.arm_chaos(f.chaos_p, f.chaos_seed, f.max_kills, restarts)
-    if restarts:
-        t.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
-    if rec is None:  # nothing restored: wall time still counts from the run's first attempt
-        t.ledger.run_start = first_start
-    t.ledger.attempt = restarts
-    t.ledger.add("startup", uncounted + time.time() - t_start)
     return restarts
 
 
-def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
+def write_summary(t: Trainer, result: dict) -> dict:
     """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
     c, run_dir = t.cfg, t.ctx.run_dir
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
-    t.attempts.beat(result["steps"])
-    goodput = t.ledger.report(restarts, t.attempts.lost_steps())  # training is over: not counted below
+    books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
+    goodput = books["goodput"]
     # The logged model's input example: two samples, since torch.export (MLflow's default format)
     # fixes a batch dimension of 1 to a constant
     example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
@@ -152,11 +128,7 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
         "best_checkpoint": t.ckpt_store.url(step_dir(t.ckpt.best.step)) if t.ckpt.best.step else None,
         "stop_detail": t.early_stopping.detail() if result["stop_reason"] else None,
         "sample_order_sha256": t.loader.chain.hexdigest,
-        "restarts": restarts,
-        "resumed_from_steps": t.ledger.resumed_from,
-        "goodput": goodput,
-        "recovery": recovery_summary(t.attempts),
-        "compile": compile_summary(t.attempts),
+        **books,  # restarts, resumed_from_steps, goodput, recovery, compile
         "mlflow_run_id": t.ctx.mlflow_run_id,
         "mlflow_model_uri": model_uri,
         "checkpoint_dir": t.ckpt_store.url(),
@@ -177,19 +149,6 @@ def write_summary(t: Trainer, result: dict, restarts: int) -> dict:
     if os.path.isdir(hydra_dir):
         t.tracker.artifacts(hydra_dir, "hydra")
     return summary
-
-
-def recovery_summary(attempts) -> dict:
-    """Every restart's phase record (from the attempt records) and their medians."""
-    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
-    per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
-    return {**summarize(per), "per_restart": per}
-
-
-def compile_summary(attempts) -> list[dict]:
-    """trainer.compile: what each start paid until its first step (cold or warm cache); [] if off."""
-    recs = sorted(attempts.previous() + [attempts.record], key=lambda a: a["attempt"])
-    return [{"attempt": a["attempt"], **a["compile"]} for a in recs if "compile" in a]
 
 
 def fail_fast(e: BaseException, t: Trainer | None) -> None:
