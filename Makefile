@@ -7,7 +7,7 @@ TORCH   := torch==2.14.1 torchvision==0.29.1
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-fast lint format mlflow-ui bench clean
+.PHONY: help venv train test test-fast test-unit lint format mlflow-ui bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ test: lint  ## lint, then the whole test suite (slow multi-process drills includ
 
 test-fast: $(STAMP)  ## the suite without the slow multi-process drills
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+test-unit: $(STAMP)  ## the in-process tests only (tests/unit, not slow): a few minutes
+	$(BIN)/python -m pytest -m "not slow" tests/unit $(ARGS)
 
 format: $(STAMP)  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .

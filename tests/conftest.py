@@ -1,21 +1,12 @@
-"""Fixtures shared by the tests (a reference smoke run per backend, a local S3 endpoint). The helper
-functions live in helpers.py; they are re-exported here for `from conftest import ...`."""
+"""Fixtures shared by the tests (a reference smoke run per backend, a local S3 endpoint, a one-process
+gloo group). Plain helper functions live in helpers.py (`from helpers import run_train`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from helpers import (  # noqa: F401  (re-exported)
-    REPO,
-    TRAIN,
-    entry_env,
-    final_checkpoint_state,
-    latest_summary,
-    run_train,
-    start_train,
-    train_cmd,
-)
+from helpers import run_train
 
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
 

@@ -1,7 +1,7 @@
 """Shared test helpers: run the real entry point on tiny configs in tmp dirs, read what it wrote.
 
-Import them from here (`from helpers import run_train`); conftest.py re-exports them for the tests
-that still say `from conftest import ...`, and holds the fixtures."""
+Import them from here (`from helpers import run_train`); fixtures live in conftest.py. No test module
+imports another: what two modules share lives here or there."""
 
 from __future__ import annotations
 
@@ -108,3 +108,89 @@ def check_config_change(c: dict, change: dict, message: str | None) -> None:
         return
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(bad)
+
+
+def compose_train(overrides, hydra=False):
+    """conf/train.yaml composed with `overrides` through Hydra's compose API (no run, no output dir)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra)
+
+
+class Counter:
+    """A minimal stateful component for AppState: one integer."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+def make_app(seed: int, width: int = 8):
+    """An AppState (model, optimizer, schedule, counter, RNG) one real step past its defaults."""
+    import torch
+
+    from goodput.checkpoint import AppState, RNGState
+    from goodput.model import SmallCNN
+
+    torch.manual_seed(seed)
+    model = SmallCNN(num_classes=4, width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    # one real step so optimizer state and the schedule are not at their defaults
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    opt.step()
+    sched.step()
+    counter = Counter()
+    counter.n = seed
+    app = AppState(model, opt, rank=0)
+    app.register("counter", counter)
+    app.register("scheduler", sched)
+    app.register("rng", RNGState(seed, 0), per_rank=True)
+    return app, counter, sched
+
+
+def manager(tmp_path, backend: str, d, remote: str | None = None, keep_last: int = 3, **kw):
+    """A CheckpointManager on rank 0 of the one-process group `d` (the dist1 fixture)."""
+    from goodput.checkpoint import BACKENDS, CheckpointConfig, CheckpointManager
+    from goodput.storage.remote import Storage
+
+    remote = remote or str(tmp_path / "remote")
+    node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS[backend].__name__}"}
+    cfg = CheckpointConfig(node, remote, str(tmp_path / "staging"), None, None, keep_last, **kw)
+    return CheckpointManager(cfg, Storage(remote), BACKENDS[backend](), 0, 1, 0, pg=d.ckpt_pg)
+
+
+def plain_write(path: str, data: bytes) -> None:
+    """The mutant the cache-fill drills must catch: a fill written in place, not temp + rename."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+# The entry point with one change: after the restore, the model is re-initialised (what a resume
+# that restored everything but the weights would train on). Run as `python script TRAIN overrides...`.
+FORGET_WEIGHTS = """
+import runpy, sys
+import torch
+import goodput.checkpoint.manager as m
+
+restore = m.CheckpointManager.restore
+
+def forgetful(self, app, candidates):
+    rec, skipped = restore(self, app, candidates)
+    torch.manual_seed(12345)
+    for mod in app.model.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+    return rec, skipped
+
+m.CheckpointManager.restore = forgetful
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""

@@ -200,7 +200,7 @@ def test_drill_two_kills(tmp_path):
 
 
 def test_advise_uses_the_runs_measured_stall(tmp_path):
-    from conftest import run_train
+    from helpers import run_train
 
     _, s = run_train(tmp_path, "checkpoint=dcp_sync")
     uri = f"sqlite:///{tmp_path}/mlflow.db"

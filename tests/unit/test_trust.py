@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
+from helpers import make_app, manager
 
 from goodput.checkpoint.backends import SafeFileSystemReader, load_metadata
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
@@ -474,7 +474,7 @@ def test_inspect_verify_names_each_bad_file(tmp_path, dist1):  # noqa: F811
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     mgr, step2 = two_commits(tmp_path, "dcp_sync", dist1)
     run = tmp_path / "remote"

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TRAIN, entry_env, latest_summary, run_train
-from test_parallel import FORGET_WEIGHTS
+from helpers import FORGET_WEIGHTS, REPO, TRAIN, entry_env, latest_summary, run_train
 
 pytestmark = pytest.mark.slow
 

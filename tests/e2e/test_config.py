@@ -9,7 +9,7 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, run_train
+from helpers import REPO, compose_train, run_train
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class
@@ -24,14 +24,9 @@ GROUPS = {
 }
 
 
-def _compose(overrides, hydra=False):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=hydra)
-
-
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_resolves(group, option):
-    cfg = _compose([f"{group}={option}", "paths.root=/tmp/goodput-compose"])
+    cfg = compose_train([f"{group}={option}", "paths.root=/tmp/goodput-compose"])
     c = OmegaConf.to_container(cfg, resolve=True)
     assert c["paths"]["root"] == "/tmp/goodput-compose"
     assert c["checkpoint"]["dir"].startswith("/tmp/goodput-compose/checkpoints/")
@@ -40,7 +35,7 @@ def test_every_option_composes_and_resolves(group, option):
 
 
 def test_the_default_is_the_demo_job():
-    c = OmegaConf.to_container(_compose([]), resolve=True)
+    c = OmegaConf.to_container(compose_train([]), resolve=True)
     assert c["run"]["name"] == "demo" and c["trainer"]["max_steps"] == 300
     assert c["data"]["source"]["_target_"] == "goodput.data.sources.CachedSource"
     backend = {"_target_": "goodput.checkpoint.backends.DCPAsync", "async_type": "thread"}
@@ -49,7 +44,7 @@ def test_the_default_is_the_demo_job():
 
 
 def test_every_state_path_derives_from_paths_root():
-    c = OmegaConf.to_container(_compose(["paths.root=/x"]), resolve=True)
+    c = OmegaConf.to_container(compose_train(["paths.root=/x"]), resolve=True)
     for path in (
         c["data"]["root"],
         c["data"]["cache_dir"],
@@ -61,7 +56,7 @@ def test_every_state_path_derives_from_paths_root():
 
 
 def test_slurm_launcher_preset_composes():
-    cfg = _compose(["hydra/launcher=slurm", "parallel=ddp", "parallel.nproc_per_node=8"], hydra=True)
+    cfg = compose_train(["hydra/launcher=slurm", "parallel=ddp", "parallel.nproc_per_node=8"], hydra=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.gpus_per_node == 8 and launcher.signal_delay_s == 120
@@ -69,7 +64,7 @@ def test_slurm_launcher_preset_composes():
 
 def test_optim_schedule_group_options_compose():
     for option in sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "optim", "schedule"))):
-        c = OmegaConf.to_container(_compose([f"optim/schedule={option}"]), resolve=True)
+        c = OmegaConf.to_container(compose_train([f"optim/schedule={option}"]), resolve=True)
         assert c["optim"]["schedule"]["_target_"]
 
 
@@ -97,18 +92,18 @@ def test_a_typo_in_a_group_file_names_the_key_and_the_file(tmp_path):
 )
 def test_an_unknown_override_names_the_key(override, key):
     with pytest.raises(ConfigCompositionException) as e:
-        _compose([override])
+        compose_train([override])
     assert key in str(e.value) + str(e.value.__cause__)
 
 
 def test_a_mistyped_value_is_refused_at_compose():
     with pytest.raises(ConfigCompositionException) as e:
-        _compose(["checkpoint.every_n_steps=often"])
+        compose_train(["checkpoint.every_n_steps=often"])
     assert "checkpoint.every_n_steps" in str(e.value) + str(e.value.__cause__)
 
 
 def test_one_default_per_setting():
-    c = OmegaConf.to_container(_compose(["data.image_size=64", "paths.root=/x"]), resolve=True)
+    c = OmegaConf.to_container(compose_train(["data.image_size=64", "paths.root=/x"]), resolve=True)
     assert c["demo_data"]["image_size"] == 64 and c["data"]["root"].endswith("-s64")  # one image size
 
 
@@ -122,7 +117,7 @@ def test_a_class_node_lists_its_class_options_with_their_defaults(group, option)
     reference and `data.source.<option>=` needs no `+`), each at the class's own default: one
     default per setting."""
     key, passed = CLASS_NODES[group]
-    node = OmegaConf.to_container(_compose([f"{group}={option}"]), resolve=True)[group][key]
+    node = OmegaConf.to_container(compose_train([f"{group}={option}"]), resolve=True)[group][key]
     cls = get_class(node.pop("_target_"))
     params = inspect.signature(cls).parameters
     assert node == {k: p.default for k, p in params.items() if k not in passed}
@@ -144,7 +139,7 @@ def test_every_schema_field_is_documented():
 
 def test_checks_live_in_the_schema():
     V2 = "torchvision.transforms.v2."
-    c = OmegaConf.to_container(_compose(["paths.root=/x"]), resolve=True)
+    c = OmegaConf.to_container(compose_train(["paths.root=/x"]), resolve=True)
     for key, value, message in [
         ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last must be >= 1"),
         ("data", {"on_bad_sample": "ignore"}, "data.on_bad_sample must be error|skip"),
@@ -164,13 +159,14 @@ def test_schedules_from_target_nodes():
     from goodput.run.schedule import lr_schedule
 
     params = [torch.nn.Parameter(torch.zeros(1))]
-    c = OmegaConf.to_container(_compose(["optim/schedule=step", "optim.schedule.step_size=2"]), resolve=True)
+    cfg = compose_train(["optim/schedule=step", "optim.schedule.step_size=2"])
+    c = OmegaConf.to_container(cfg, resolve=True)
     sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))
     assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
     for _ in range(4):
         sched.step()
     assert sched.get_last_lr() == [0.25]
-    c = OmegaConf.to_container(_compose(["trainer.max_steps=50"]), resolve=True)
+    c = OmegaConf.to_container(compose_train(["trainer.max_steps=50"]), resolve=True)
     sched = instantiate(c["optim"]["schedule"])(torch.optim.SGD(params, lr=1.0))  # the default
     f = lr_schedule(20, 50, 0.05)
     for step in range(50):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TRAIN, latest_summary, run_train
+from helpers import FORGET_WEIGHTS, REPO, TRAIN, latest_summary, run_train
 
 from goodput.parallel import without_launcher_env
 
@@ -25,7 +25,7 @@ def ddp_reference(tmp_path_factory):
     """An uninterrupted 2-rank DDP smoke run (dcp_sync)."""
     root = tmp_path_factory.mktemp("ddp-ref")
     p, s = run_train(root, "parallel=ddp", "checkpoint=dcp_sync")
-    # no fault.slow_rank: the straggler warning (tests/test_observe.py) names no rank here
+    # no fault.slow_rank: the straggler warning (tests/e2e/test_observe.py) names no rank here
     assert "straggler:" not in p.stdout + p.stderr
     return s
 
@@ -132,29 +132,6 @@ def test_resume_on_another_world_size_or_strategy(tmp_path, ddp_reference, first
         assert gap < WEIGHT_RTOL, gap
     if first == "parallel=single":  # rank 1 did not exist in the checkpoint: its RNG state is derived
         assert "rank 1 has no saved RNG state" in p.stderr
-
-
-# The entry point with one change: after the restore, the model is re-initialised (what a resume
-# that restored everything but the weights would train on).
-FORGET_WEIGHTS = """
-import runpy, sys
-import torch
-import goodput.checkpoint.manager as m
-
-restore = m.CheckpointManager.restore
-
-def forgetful(self, app, candidates):
-    rec, skipped = restore(self, app, candidates)
-    torch.manual_seed(12345)
-    for mod in app.model.modules():
-        if hasattr(mod, "reset_parameters"):
-            mod.reset_parameters()
-    return rec, skipped
-
-m.CheckpointManager.restore = forgetful
-sys.argv = [sys.argv[1], *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, ddp_reference):

@@ -20,8 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import xxhash
-from helpers import REPO, run_train
-from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
+from helpers import REPO, make_app, manager, run_train
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_manifest
 from goodput.checkpoint.manager import SaveFailed

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import tomllib
 from importlib import import_module
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 
 from goodput import calculator
 from goodput.calculator import (
@@ -28,8 +28,6 @@ from goodput.calculator import (
 from goodput.calculator.advise import restart_cost
 from goodput.calculator.cli import main
 from goodput.calculator.simulate import simulate
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(("gpus", "expected"), [(256, 0.19), (1024, 0.57)])
@@ -420,17 +418,17 @@ def test_cli_bad_input_exits_2_naming_the_flag(capsys, args: list[str], flag: st
 
 def test_python_m_and_the_entry_point() -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "goodput.calculator"]
     out = subprocess.run([*cmd, "failure", "--gpus", "1024", "--days", "30", "--afr", "0.01", "--json"],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+                         cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["probability"] == pytest.approx(0.57, abs=0.005)
     bad = subprocess.run([*cmd, "failure", "--gpus", "-3", "--days", "30", "--afr", "0.01"],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+                         cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "argument --gpus" in bad.stderr
     # The console script named in pyproject.toml resolves to this same main().
-    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, func = scripts["goodput-plan"].split(":")
     assert getattr(import_module(module), func) is main
 

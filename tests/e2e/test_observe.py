@@ -82,7 +82,7 @@ def test_system_metrics_continue_the_run_across_restarts(tmp_path):
 
 @pytest.fixture
 def one_process(monkeypatch):
-    """The job in this process, one rank (as tests/test_keys.py runs it), its process-wide state put back."""
+    """The job in this process, one rank (as unit/test_keys.py runs it), its process-wide state put back."""
     import torch.distributed.launcher.api as elastic_api
 
     from goodput.parallel import LAUNCHER_ENV
@@ -149,7 +149,7 @@ def test_profiler_trace_mfu_and_system_metrics_reach_mlflow(tmp_path, one_proces
 @pytest.mark.slow
 def test_straggler_drill_names_the_slow_rank(tmp_path):
     """2-rank DDP: rank 1 sleeps 0.3 s per step: the warning names it. The same job without the
-    drill warns of none: tests/test_parallel.py's ddp_reference asserts it (a run the suite has)."""
+    drill warns of none: tests/e2e/test_parallel.py's ddp_reference asserts it (a run the suite has)."""
     drill = ["fault.slow_rank=1", "fault.slow_seconds=0.3", "trainer.straggler_windows=2"]
     p, s = run_train(tmp_path, "parallel=ddp", "checkpoint=torch_save", *drill)
     log = p.stdout + p.stderr

@@ -9,7 +9,7 @@ import time
 from datetime import UTC
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 from goodput.data.synthetic import make_dataset
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import plain_write
 from midwrite import kill_inside_the_write
 
 from goodput.data.dataset import BadSampleError, DataRootError
@@ -109,13 +110,6 @@ def test_sharded_ranks_cover_the_global_batch(data_root, tmp_path, reference):
         assert torch.equal(merged, reference[0][step])  # same samples, same augmentation, any world size
 
 
-def _plain_write(path: str, data: bytes) -> None:
-    """The mutant the drills must catch: a fill written in place, not temp + rename."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "mutant-in-place"])
 def test_killed_cache_fill_never_serves_a_partial_file(data_root, tmp_path, monkeypatch, atomic):
     """SIGKILL inside the write of a fill (tests/midwrite.py): the cache holds the whole file or none.
@@ -123,7 +117,7 @@ def test_killed_cache_fill_never_serves_a_partial_file(data_root, tmp_path, monk
     its size check would also refetch a short file, and this is about the fill alone.)"""
     if not atomic:
         monkeypatch.setattr(
-            CachedSource, "_store", lambda self, rel, data: _plain_write(self.local_path(rel), data)
+            CachedSource, "_store", lambda self, rel, data: plain_write(self.local_path(rel), data)
         )
     truth = Storage(data_root)
     rels = [f"train/{f}" for f in sorted(truth.find("train"))[:3]]

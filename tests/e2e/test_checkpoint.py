@@ -8,49 +8,11 @@ import sys
 
 import pytest
 import torch
-from helpers import run_train
+from helpers import make_app, manager, run_train
 
-from goodput.checkpoint import BACKENDS, AppState, CheckpointConfig, CheckpointManager, RNGState
+from goodput.checkpoint import BACKENDS, CheckpointConfig, CheckpointManager
 from goodput.model import SmallCNN, model_sha256
 from goodput.storage.remote import Storage
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-
-def make_app(seed: int, width: int = 8):
-    torch.manual_seed(seed)
-    model = SmallCNN(num_classes=4, width=width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
-    # one real step so optimizer state and the schedule are not at their defaults
-    model(torch.randn(2, 3, 16, 16)).sum().backward()
-    opt.step()
-    sched.step()
-    counter = Counter()
-    counter.n = seed
-    app = AppState(model, opt, rank=0)
-    app.register("counter", counter)
-    app.register("scheduler", sched)
-    app.register("rng", RNGState(seed, 0), per_rank=True)
-    return app, counter, sched
-
-
-def manager(
-    tmp_path, backend: str, d, remote: str | None = None, keep_last: int = 3, **kw
-) -> CheckpointManager:
-    remote = remote or str(tmp_path / "remote")
-    node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS[backend].__name__}"}
-    cfg = CheckpointConfig(node, remote, str(tmp_path / "staging"), None, None, keep_last, **kw)
-    return CheckpointManager(cfg, Storage(remote), BACKENDS[backend](), 0, 1, 0, pg=d.ckpt_pg)
 
 
 def optim_tensors(opt):
@@ -206,7 +168,7 @@ def test_inspect_lists_and_exports(tmp_path, backend):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
     from safetensors.torch import load_file
 
     _, s = run_train(tmp_path, f"checkpoint={backend}")

@@ -10,8 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import check_config_change
-from test_checkpoint import manager
+from helpers import check_config_change, compose_train, manager
 
 from goodput.checkpoint import BACKENDS, AppState
 from goodput.checkpoint.state import decode, encode
@@ -203,9 +202,8 @@ def test_scaler_and_ema_state_round_trip_through_each_backend(tmp_path, dist1, b
 
 def test_bad_step_config_fails_at_validation_naming_the_key():
     from omegaconf import OmegaConf
-    from test_config import _compose
 
-    c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)  # batch 16
+    c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke"]), resolve=True)  # batch 16
     DDP2 = {"strategy": {"_target_": "goodput.parallel.DDP"}, "nproc_per_node": 2}
     FSDP2 = {"strategy": {"_target_": "goodput.parallel.FSDP"}, "nproc_per_node": 2}
     for change, message in [

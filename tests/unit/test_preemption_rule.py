@@ -1,5 +1,5 @@
 """The preemption rule (signals.Preemption) and the two handlers built on it, in process: the end-to-end
-drills with real signals are tests/test_preemption.py (slow)."""
+drills with real signals are tests/e2e/test_preemption.py (slow)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import REPO, final_checkpoint_state, run_train, train_cmd
-from test_checkpoint import make_app, manager  # noqa: F401  (fixture re-export)
+from helpers import REPO, final_checkpoint_state, make_app, manager, run_train, train_cmd
 
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import plain_write
 from midwrite import kill_inside_the_write
-from test_data import _plain_write
 
 from goodput.data.loader import DataConfig, ResumableLoader
 from goodput.data.shards import (
@@ -163,7 +163,7 @@ def test_killed_shard_fill_never_serves_a_partial_shard(packed, tmp_path, monkey
     only; the in-place mutant shows the drill fails a fill that is not atomic. The index's size check
     is switched off here (it would refetch a short shard too): this is about the fill alone."""
     if not atomic:
-        plain = lambda self, rel, data: _plain_write(self.local_path(rel), data)  # noqa: E731
+        plain = lambda self, rel, data: plain_write(self.local_path(rel), data)  # noqa: E731
         monkeypatch.setattr(CachedSource, "_store", plain)
     files = ShardFileList(Storage(packed), "train")
     shards = [s["name"] for s in files.shards[:2]]
@@ -256,7 +256,7 @@ def test_unpacked_url_without_index_names_the_fix(tmp_path):
 def test_pack_script_packs_and_refuses_to_overwrite(folder, tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from conftest import REPO
+    from helpers import REPO
 
     spec = importlib.util.spec_from_file_location("pack_shards", REPO / "scripts/pack_shards.py")
     script = importlib.util.module_from_spec(spec)
@@ -273,7 +273,7 @@ def test_pack_script_packs_and_refuses_to_overwrite(folder, tmp_path, monkeypatc
 
 @pytest.mark.slow  # one real entry-point run: demo data generated, packed on first use, trained
 def test_train_entry_point_with_data_shards(tmp_path):
-    from conftest import run_train
+    from helpers import run_train
 
     _, s = run_train(tmp_path, "data=shards", "data.source.shuffle_block=2")
     assert s is not None and s["steps"] > 0

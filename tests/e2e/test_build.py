@@ -292,7 +292,7 @@ def test_a_key_reaches_where_it_acts_in_three_hops():
     """checkpoint.every_n_steps: YAML -> build.checkpoint_manager (passes the node whole) -> the
     manager's `due()`. data.root: YAML -> job.ensure_data (demo data; opens it for the source's
     `prepare`, which packs shards) or build.Trainer -> Storage. Nothing else reads them, so no path
-    doubles back (tests/test_keys.py checks every key's readers at run time, this the code's reads;
+    doubles back (tests/unit/test_keys.py checks every key's readers at run time, this the code's reads;
     the next test that the node arrives whole)."""
     assert _readers("every_n_steps") == {"goodput.checkpoint.manager"}
     # `.data.root` (or `dc.root` after `dc = c.data`): the job and the builder. The source gets it opened.

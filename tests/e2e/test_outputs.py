@@ -8,9 +8,8 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, check_config_change, run_train
+from helpers import REPO, check_config_change, compose_train, make_app, manager, run_train
 from hydra import compose, initialize_config_dir
-from test_checkpoint import make_app, manager  # noqa: F401  (dist1 is a fixture)
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit
 from goodput.model import model_sha256
@@ -130,14 +129,13 @@ def test_early_stopping_counts_evaluations_and_resumes_mid_count():
 def _mlflow_run(tmp_path, experiment: str, artifact_location: str, *overrides) -> tuple:
     """A checked config that logs the final model (SmallCNN of width 8) to a fresh MLflow run, and the run."""
     from omegaconf import OmegaConf
-    from test_config import _compose
 
     from goodput.config import validate
     from goodput.tracking import start_run
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = start_run(uri, experiment, "r", {}, None, artifact_location)
-    c = OmegaConf.to_container(_compose([
+    c = OmegaConf.to_container(compose_train([
         f"paths.root={tmp_path}", "experiment=smoke", "model.width=8", "mlflow.log_model=final",
         "mlflow.registered_model_name=goodput-test", *overrides,
     ]), resolve=True)  # fmt: skip
@@ -353,11 +351,10 @@ def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
     trained up to its first evaluation and died there on a KeyError."""
 
     from omegaconf import OmegaConf
-    from test_config import _compose
 
     from goodput.config import monitors_logged, validate
 
-    c = OmegaConf.to_container(_compose(["paths.root=/x", "experiment=smoke"]), resolve=True)
+    c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke"]), resolve=True)
     for change, message in [
         ({"checkpoint": {"keep_best_by": "val/top3"}}, "checkpoint.keep_best_by=val/top3 is never logged"),
         ({"checkpoint": {"keep_best_by": "val/top3"}, "trainer": {"eval_top_k": 3}}, None),
