@@ -50,7 +50,7 @@ def view(cfg: CheckpointConfig, storage: Storage) -> Commits:
     """The read-only view of `cfg`'s commits in `storage` (checkpoint.dir), verifying against the
     node-local copies in staging_dir where they are: what the job process checks the run with,
     without building a backend or creating the staging dir. Here, not in commits.py: the manager is
-    the one component that reads checkpoint.staging_dir (tests/test_keys.py)."""
+    the one component that reads checkpoint.staging_dir (tests/unit/test_keys.py)."""
     return Commits(storage, kept=cfg.staging_dir)
 
 
