@@ -20,7 +20,22 @@ from goodput.config import SCHEMAS, ConfigError, validate
 CONF = str(REPO / "conf")
 GROUPS = {
     g: sorted(f[:-5] for f in os.listdir(os.path.join(CONF, g)) if f.endswith(".yaml"))
-    for g in ("model", "optim", "data", "augment", "checkpoint", "parallel", "fault", "experiment", "paths")
+    for g in (
+        "model",
+        "optim",
+        "data",
+        "augment",
+        "checkpoint",
+        "parallel",
+        "fault",
+        "experiment",
+        "paths",
+        "run",
+        "trainer",
+        "demo_data",
+        "storage",
+        "mlflow",
+    )
 }
 
 
@@ -195,7 +210,23 @@ def test_a_data_option_file_is_a_short_diff(tmp_path):
     validate(c)
 
 
-@pytest.mark.parametrize("group", ["checkpoint", "data", "augment", "parallel", "fault", "optim", "paths"])
+@pytest.mark.parametrize(
+    "group",
+    [
+        "checkpoint",
+        "data",
+        "augment",
+        "parallel",
+        "fault",
+        "optim",
+        "paths",
+        "run",
+        "trainer",
+        "demo_data",
+        "storage",
+        "mlflow",
+    ],  # fmt: skip
+)
 def test_option_files_start_from_their_schema(group):
     """An option file is a diff over `<group>/base`, so its keys are checked and its defaults shared."""
     for name in GROUPS[group]:

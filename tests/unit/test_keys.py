@@ -359,8 +359,9 @@ class Consumption:
 
 # -- the groups ---------------------------------------------------------------------------------
 def _options() -> list[tuple[str, str]]:
-    """Every option of every group: the files under conf/<group>/, and `base` for the groups whose
-    only option is their schema (run, trainer, demo_data, storage, mlflow). `hydra` is Hydra's own
+    """Every option of every group: the files under conf/<group>/, and `base` for a group that has
+    no file (none now: run/, trainer/, ... have a `default.yaml` that says nothing beyond its schema,
+    so `ls conf/` shows them). `hydra` is Hydra's own
     config (consumed by Hydra; hydra/launcher=slurm is composed in test_config), and so are the
     `hparams_search` presets (Hydra's sweeper; run in test_outputs); `experiment` files set other
     groups' keys (test_the_root_file_and_the_experiments)."""
