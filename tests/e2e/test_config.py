@@ -232,3 +232,33 @@ def test_option_files_start_from_their_schema(group):
     for name in GROUPS[group]:
         cfg = OmegaConf.load(os.path.join(CONF, group, f"{name}.yaml"))
         assert list(cfg.get("defaults", [])) == ["base"], f"conf/{group}/{name}.yaml: add `defaults: [base]`"
+
+
+def test_run_state_travels_beside_the_config_not_in_it(tmp_path, monkeypatch):
+    """`prepare` returns the typed config (schema instances, read as attributes) and, beside it, the
+    launch's RunContext. Two launches of one config from different run dirs (and times) are one
+    identity: the same config hash, and the MLflow params name no run dir, start, hash or run id."""
+    from mlflow import MlflowClient
+
+    from goodput.config import Config
+    from goodput.parallel import LAUNCHER_ENV
+    from goodput.run.config import TrainerConfig
+    from goodput.run.context import RunContext
+    from goodput.run.job import prepare
+
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}"])
+    contexts = []
+    for run_dir in ("run-a", "run-b"):
+        c, ctx, lock = prepare(cfg, str(tmp_path / run_dir))
+        lock.release()
+        contexts.append(ctx)
+        assert isinstance(c, Config) and isinstance(c.trainer, TrainerConfig) and c.trainer.max_steps == 12
+        assert isinstance(ctx, RunContext) and ctx.run_dir == str(tmp_path / run_dir) and ctx.mlflow_run_id
+        params = MlflowClient(c.mlflow.tracking_uri).get_run(ctx.mlflow_run_id).data.params
+        assert params["trainer.max_steps"] == "12"
+        # (paths.run_dir is a key: the root of all run dirs. These are what a launch wrote in before.)
+        assert not {"run_dir", "job_start", "config_hash", "mlflow_run_id"} & set(params)
+    a, b = contexts
+    assert a.config_hash == b.config_hash and a.job_start != b.job_start
