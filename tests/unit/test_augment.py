@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, run_train
+from helpers import REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
@@ -130,10 +130,3 @@ def test_a_list_that_does_not_end_at_image_size_fails_at_build():
         augment.build(node, 16)
     with pytest.raises(ValueError, match=r"augment.train\[0\] must be a node with a _target_"):
         augment.build({"train": ["flip"]}, 16)
-
-
-@pytest.mark.parametrize("preset", ["none", "light"])
-def test_presets_on_the_entry_point(tmp_path, smoke_reference, preset):
-    _, s = run_train(tmp_path, f"augment={preset}", "checkpoint=dcp_sync")
-    assert s["steps"] == 12 and s["val_accuracy"] is not None
-    assert s["model_sha256"] != smoke_reference("dcp_sync")["model_sha256"]  # the option did act
