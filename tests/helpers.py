@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from goodput.data.dataset import ImageFolder
 from goodput.parallel import without_launcher_env
+from goodput.storage.remote import Storage
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "scripts" / "train.py")
@@ -194,3 +196,17 @@ m.CheckpointManager.restore = forgetful
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def flatten_to_manifest(src: Path, dst: Path) -> None:
+    """The ImageFolder at `src` as a flat folder of images plus `<split>.csv` manifests, in the
+    ImageFolder's order: the same samples under other names, labels only in the manifest."""
+    (dst / "pics").mkdir(parents=True)
+    for split in ("train", "val"):
+        folder = ImageFolder(Storage(str(src)), split)
+        rows = ["path,label"]
+        for i, (rel, label) in enumerate(zip(folder.files, folder.labels)):
+            name = f"pics/{split}-{i:05d}.jpg"
+            (dst / name).write_bytes((src / rel).read_bytes())
+            rows.append(f"{name},{folder.classes[label]}")
+        (dst / f"{split}.csv").write_text("\n".join(rows) + "\n")
