@@ -271,16 +271,6 @@ def test_pack_script_packs_and_refuses_to_overwrite(folder, tmp_path, monkeypatc
     assert e.value.code == 2 and "packed already" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # one real entry-point run: demo data generated, packed on first use, trained
-def test_train_entry_point_with_data_shards(tmp_path):
-    from helpers import run_train
-
-    _, s = run_train(tmp_path, "data=shards", "data.source.shuffle_block=2")
-    assert s is not None and s["steps"] > 0
-    packed = list(tmp_path.rglob(INDEX))
-    assert len(packed) == 1 and packed[0].parent.name.endswith("-shards")
-
-
 def _fill_in_child(packed, cache_dir, shard, q):
     src = _source(Storage(packed), cache_dir)
     t = time.monotonic()
