@@ -8,6 +8,7 @@ import os
 import pytest
 from helpers import run_train
 
+from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
 
 
@@ -68,3 +69,12 @@ def dist1():
     d = init_distributed()
     yield d
     shutdown_distributed()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny demo ImageFolder (2 classes, 4 train images each), per test module (e2e/test_untrusted_runs
+    and unit/test_untrusted; unit/test_shards defines its own, bigger one)."""
+    root = tmp_path_factory.mktemp("folder")
+    make_dataset(str(root), num_classes=2, train_per_class=4, val_per_class=1, image_size=16)
+    return str(root)

@@ -210,3 +210,29 @@ def flatten_to_manifest(src: Path, dst: Path) -> None:
             (dst / name).write_bytes((src / rel).read_bytes())
             rows.append(f"{name},{folder.classes[label]}")
         (dst / f"{split}.csv").write_text("\n".join(rows) + "\n")
+
+
+def manifest_dataset(folder, dst):
+    """The demo data flattened under `pics/` with a train.csv naming each file."""
+    os.makedirs(dst / "pics")
+    rows = ["path,label"]
+    src = ImageFolder(Storage(folder), "train")
+    for i, (rel, label) in enumerate(zip(src.files, src.labels)):
+        (dst / "pics" / f"{i}.jpg").write_bytes(Path(folder, rel).read_bytes())
+        rows.append(f"pics/{i}.jpg,{src.classes[label]}")
+    return rows
+
+
+def two_steps(tmp_path, dist1):
+    """A dcp_sync manager on `dist1` with two committed steps of different weights."""
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(1)
+    mgr.save(1, app)
+    app.model.head.weight.data.add_(1.0)
+    mgr.save(2, app)
+    mgr.wait()
+    return mgr, app, tmp_path / "remote"
+
+
+# a record nested past any parser's recursion limit
+DEEP = b"[" * 100000 + b"]" * 100000
