@@ -25,7 +25,7 @@ def ddp_reference(tmp_path_factory):
     """An uninterrupted 2-rank DDP smoke run (dcp_sync)."""
     root = tmp_path_factory.mktemp("ddp-ref")
     p, s = run_train(root, "parallel=ddp", "checkpoint=dcp_sync")
-    # no fault.slow_rank: the straggler warning (tests/e2e/test_observe.py) names no rank here
+    # no fault.slow_rank: the straggler warning (tests/e2e/test_observe_runs.py) names no rank here
     assert "straggler:" not in p.stdout + p.stderr
     return s
 
