@@ -5,6 +5,10 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.14.1 torchvision==0.29.1
 ARGS    ?=
+# pytest-xdist workers: most drills wait on process start-up, so 2 nearly halve the wall time on
+# 2 cores; tests marked `serial` still run alone. JOBS=0: one process (pdb, -s, print debugging).
+JOBS    ?= 2
+XDIST   := -n $(JOBS) --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help venv train test test-fast test-unit lint format mlflow-ui bench clean
@@ -29,13 +33,13 @@ lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff format --check .
 
 test: lint  ## lint, then the whole test suite (slow multi-process drills included)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP)  ## the suite without the slow multi-process drills
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 test-unit: $(STAMP)  ## the in-process tests only (tests/unit, not slow): a few minutes
-	$(BIN)/python -m pytest -m "not slow" tests/unit $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" tests/unit $(ARGS)
 
 format: $(STAMP)  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .

@@ -4,12 +4,28 @@ gloo group). Plain helper functions live in helpers.py (`from helpers import run
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
-from helpers import run_train
+from helpers import run_train, turn
 
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
+
+
+# -- `serial` tests run alone under pytest-xdist ------------------------------------------------
+# `make test` runs the suite on 2 xdist workers (most drills wait on process start-up). A test
+# marked `serial` times something against the wall clock: it runs alone (helpers.turn).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of each test inside its turn (only under xdist: a plain run is serial)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return (yield)
+    lock_dir = Path(tempfile.gettempdir()) / f"goodput-tests-{run}"
+    with turn(lock_dir, serial=item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from goodput.data.dataset import ImageFolder
@@ -55,6 +56,31 @@ def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, exp
             f"--- stderr\n{p.stderr[-6000:]}"
         )
     return p, latest_summary(root)
+
+
+@contextmanager
+def turn(lock_dir: Path, serial: bool):
+    """One test's turn among xdist workers sharing `lock_dir`: parallel tests run side by side, a
+    serial one alone. A readers-writer lock on two flock files: `room` is held shared by parallel
+    tests and exclusively by a serial one; `gate`, held by a serial test while it waits for the
+    room, keeps new parallel tests from overtaking it (else a busy worker could starve it)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): no turns, as under -n 0
+        yield
+        return
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "gate", "a") as gate, open(lock_dir / "room", "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not serial:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if serial:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
 
 
 def latest_summary(root) -> dict | None:

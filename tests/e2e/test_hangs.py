@@ -13,6 +13,9 @@ from helpers import REPO, run_train
 from goodput.resilience.fault import FaultConfig
 from goodput.resilience.watchdog import HUNG_EXIT, hung_seconds
 
+# each test times a hang, a grace period or a collective timeout against the wall clock
+pytestmark = pytest.mark.serial
+
 # The main thread blocked in C with the GIL released, deaf to signals (a mutex it already holds:
 # pthread_mutex_lock is never interrupted), as in a gloo collective whose peer hung: a Python
 # handler would wait for it forever.

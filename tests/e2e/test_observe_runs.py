@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # step times: a busy neighbour would make the other rank slow too
 def test_straggler_drill_names_the_slow_rank(tmp_path):
     """2-rank DDP: rank 1 sleeps 0.3 s per step: the warning names it. The same job without the
     drill warns of none: tests/e2e/test_parallel.py's ddp_reference asserts it (a run the suite has)."""

@@ -107,6 +107,7 @@ def test_listing_is_reused_only_by_restarts_of_the_same_elastic_job(tmp_path, mo
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # phase durations against fixed bounds (imports < 1 s)
 def test_two_kills_two_rounds_and_phases_within_the_tests_own_clock(tmp_path):
     """The phases are differences of the trainer's own timestamps, so their sum is their total by
     construction: not checked. What can fail: the total is bounded by this test's own monotonic

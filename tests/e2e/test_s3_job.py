@@ -30,6 +30,7 @@ def landed(bucket: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # commit within 1 s of the last manifest
 def test_two_rank_s3_job_commits_within_a_second_of_the_last_manifest(tmp_path, s3_bucket, s3_endpoint):
     import s3fs
 

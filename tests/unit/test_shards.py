@@ -278,6 +278,7 @@ def _fill_in_child(packed, cache_dir, shard, q):
     q.put(time.monotonic() - t)
 
 
+@pytest.mark.serial  # the child's fill is timed
 def test_a_fork_during_a_fill_does_not_inherit_the_shard_lock(packed, tmp_path):
     """A DataLoader worker forked while a prefetch thread fills a shard must not keep that shard
     locked after the fill (flock would: the child's copy of the descriptor holds it)."""

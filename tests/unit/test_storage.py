@@ -193,6 +193,7 @@ def silent_s3(s3_endpoint):
     srv.close()
 
 
+@pytest.mark.serial  # the bound is timed
 @pytest.mark.parametrize("op", ["read_bytes", "ls", "write_bytes"])
 def test_a_request_that_never_returns_fails_within_its_bound(silent_s3, op):
     # obstore serves read_bytes, s3fs the rest: both must honour the timeout, neither retry on its own

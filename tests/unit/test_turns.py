@@ -1,0 +1,96 @@
+"""helpers.turn, the lock that runs `serial` tests alone under pytest-xdist: parallel tests side by
+side, a serial one alone, and a serial one waiting is not overtaken by tests that arrive after it.
+Threads stand in for the workers (flock locks belong to each open(), so two threads conflict)."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+
+from helpers import turn
+
+
+class Test:
+    """A test on its own thread: enters its turn, records when, holds it until released."""
+
+    def __init__(self, lock_dir, name: str, serial: bool, entered: list):
+        self.release, self.inside = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(lock_dir, name, serial, entered), daemon=True)
+        self.thread.start()
+
+    def _run(self, lock_dir, name, serial, entered):
+        with turn(lock_dir, serial):
+            entered.append(name)
+            self.inside.set()
+            self.release.wait(30)
+
+    def done(self):
+        self.release.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def held(path) -> bool:
+    """Whether another open file holds `path` exclusively (flock, non-blocking probe)."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_parallel_tests_run_side_by_side(tmp_path):
+    entered = []
+    a = Test(tmp_path, "a", False, entered)
+    assert a.inside.wait(10)
+    b = Test(tmp_path, "b", False, entered)
+    assert b.inside.wait(10)  # while a is still inside
+    a.done()
+    b.done()
+
+
+def test_a_serial_test_runs_alone(tmp_path):
+    entered = []
+    s = Test(tmp_path, "serial", True, entered)
+    assert s.inside.wait(10)
+    p = Test(tmp_path, "parallel", False, entered)
+    assert not p.inside.wait(0.5)  # kept out while the serial test runs
+    s.done()
+    assert p.inside.wait(10)
+    p.done()
+    # and the other way round: a serial test waits for the running parallel one
+    p = Test(tmp_path, "parallel2", False, entered)
+    assert p.inside.wait(10)
+    s = Test(tmp_path, "serial2", True, entered)
+    assert not s.inside.wait(0.5)
+    p.done()
+    assert s.inside.wait(10)
+    s.done()
+
+
+def test_a_waiting_serial_test_is_not_overtaken(tmp_path):
+    """Without the gate, the parallel tests of a busy worker would keep the room shared forever."""
+    entered = []
+    first = Test(tmp_path, "first", False, entered)
+    assert first.inside.wait(10)
+    s = Test(tmp_path, "serial", True, entered)
+    wait_until(lambda: held(tmp_path / "gate"))  # the serial test is waiting for the room
+    late = Test(tmp_path, "late", False, entered)
+    assert not late.inside.wait(0.5)  # arrived after the serial test: waits behind it
+    first.done()
+    assert s.inside.wait(10)
+    assert not late.inside.wait(0.3)
+    s.done()
+    assert late.inside.wait(10)
+    late.done()
+    assert entered == ["first", "serial", "late"]
