@@ -43,15 +43,17 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, smoke_reference, b
 
 
 @pytest.mark.parametrize("backend", ["torch_save", "dcp_async"])
-def test_inspect_lists_and_exports(tmp_path, backend):
+def test_inspect_lists_and_exports(tmp_path, smoke_reference, backend):
+    import shutil
     import subprocess
     import sys
 
     from helpers import REPO
     from safetensors.torch import load_file
 
-    _, s = run_train(tmp_path, f"checkpoint={backend}")
-    ck = tmp_path / "checkpoints" / "smoke"
+    s = smoke_reference(backend)
+    ck = tmp_path / "smoke"
+    shutil.copytree(s["checkpoint_dir"], ck, symlinks=True)  # the shared run's, copied: one is added
     os.makedirs(ck / "step-000000099")  # an incomplete one
     out = subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", str(ck), "--json"],
                          cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -199,13 +200,12 @@ def test_drill_two_kills(tmp_path):
     assert faulty["same_model"] is True
 
 
-def test_advise_uses_the_runs_measured_stall(tmp_path):
-    from helpers import run_train
-
-    _, s = run_train(tmp_path, "checkpoint=dcp_sync")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_advise_uses_the_runs_measured_stall(smoke_reference):
+    s = smoke_reference("dcp_sync")  # advise only reads the run's commits and its MLflow store
+    root = Path(s["checkpoint_dir"]).parents[1]
+    uri = f"sqlite:///{root}/mlflow.db"
     cmd = [sys.executable, "-m", "goodput.calculator", "advise", "--tracking-uri", uri]
-    args = [str(tmp_path / "checkpoints" / "smoke"), "--gpus", "256", "--afr", "0.01", "--trials", "500"]
+    args = [s["checkpoint_dir"], "--gpus", "256", "--afr", "0.01", "--trials", "500"]
     out = subprocess.run([*cmd, *args, "--json"], cwd=REPO, capture_output=True, text=True, check=True)
     r = json.loads(out.stdout)
     assert r["run_id"] == s["mlflow_run_id"] and r["save_stall_seconds"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,19 +22,41 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory):
-    """An uninterrupted 2-rank DDP smoke run (dcp_sync)."""
-    root = tmp_path_factory.mktemp("ddp-ref")
-    p, s = run_train(root, "parallel=ddp", "checkpoint=dcp_sync")
+def two_rank_runs(tmp_path_factory):
+    """Uninterrupted 2-rank smoke runs, one per (strategy, backend), made on first use: the smoke
+    tests check them, and the resume tests start from copies of them (each is a 2-rank job start)."""
+    cache = {}
+
+    def get(strategy: str, backend: str):
+        if (strategy, backend) not in cache:
+            root = tmp_path_factory.mktemp(f"{strategy}-{backend}")
+            p, s = run_train(root, f"parallel={strategy}", f"checkpoint={backend}")
+            cache[strategy, backend] = root, p, s
+        return cache[strategy, backend]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(two_rank_runs):
+    """The uninterrupted 2-rank DDP smoke run (dcp_sync)."""
+    _, p, s = two_rank_runs("ddp", "dcp_sync")
     # no fault.slow_rank: the straggler warning (tests/e2e/test_observe_runs.py) names no rank here
     assert "straggler:" not in p.stdout + p.stderr
     return s
 
 
+def stopped_at_step_8(run, root: Path) -> None:
+    """`root` as a 2-rank run left it had it stopped after step 8's commit: a copy of the finished
+    run `run` (from two_rank_runs) without its step 12 commit."""
+    shutil.copytree(run[0], root, symlinks=True, dirs_exist_ok=True)
+    shutil.rmtree(root / "checkpoints" / "smoke" / "step-000000012")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("backend", ["torch_save", "dcp_sync", "dcp_async"])
-def test_two_rank_smoke(tmp_path, ddp_reference, strategy, backend):
-    _, s = run_train(tmp_path, f"parallel={strategy}", f"checkpoint={backend}")
+def test_two_rank_smoke(two_rank_runs, ddp_reference, strategy, backend):
+    tmp_path, _, s = two_rank_runs(strategy, backend)
     assert s["world_size"] == 2 and s["steps"] == 12
     # Same global batches, GroupNorm, gloo sums in a fixed order: the wrapper does not change the maths.
     assert s["model_sha256"] == ddp_reference["model_sha256"]
@@ -116,9 +139,16 @@ def weight_gap(a: dict, b: dict) -> float:
         ("parallel=ddp", "parallel=single", "torch_save"),
     ],
 )
-def test_resume_on_another_world_size_or_strategy(tmp_path, ddp_reference, first, second, backend):
-    run_train(tmp_path, first, f"checkpoint={backend}", "fault.kill_at_step=10", expect_rc=None)
-    p, s = run_train(tmp_path, second, f"checkpoint={backend}", "fault.kill_at_step=10")
+def test_resume_on_another_world_size_or_strategy(
+    tmp_path, two_rank_runs, ddp_reference, first, second, backend
+):
+    if first == "parallel=single":  # killed at step 10 on one process: step 8 is its newest commit
+        run_train(tmp_path, first, f"checkpoint={backend}", "fault.kill_at_step=10", expect_rc=None)
+        over = ["fault.kill_at_step=10"]  # the marker of the kill that fired keeps it from firing again
+    else:
+        stopped_at_step_8(two_rank_runs(first.split("=")[1], backend), tmp_path)
+        over = []
+    p, s = run_train(tmp_path, second, f"checkpoint={backend}", *over)
     # dcp_async: step 8's save may still be uploading when step 10 is killed; then step 4 is the newest
     assert s["resumed_from_steps"] == [8] or (backend == "dcp_async" and s["resumed_from_steps"] == [4])
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]  # the order continued exactly
@@ -134,15 +164,15 @@ def test_resume_on_another_world_size_or_strategy(tmp_path, ddp_reference, first
         assert "rank 1 has no saved RNG state" in p.stderr
 
 
-def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, ddp_reference):
+def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, two_rank_runs, ddp_reference):
     """Negative control for the tolerance above: the same ddp -> single resume, but with fresh
     weights at step 8, must fail the weight check (and the exact hash)."""
-    run_train(tmp_path, "parallel=ddp", "checkpoint=dcp_sync", "fault.kill_at_step=10", expect_rc=None)
+    stopped_at_step_8(two_rank_runs("ddp", "dcp_sync"), tmp_path)
     script = tmp_path / "forget_weights.py"
     script.write_text(FORGET_WEIGHTS)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MLFLOW_TRACKING_URI")}
     cmd = [sys.executable, str(script), TRAIN, "experiment=smoke", f"paths.root={tmp_path}",
-           "parallel=single", "checkpoint=dcp_sync", "fault.kill_at_step=10"]  # fmt: skip
+           "parallel=single", "checkpoint=dcp_sync"]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     s = latest_summary(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,10 @@ def test_multirun_sweep_makes_two_runs(tmp_path):
     assert job[False]["wall_seconds"] < job[True]["wall_seconds"]
 
 
-def test_relaunch_of_finished_run_says_so_and_exits_0(tmp_path):
-    run_train(tmp_path)
-    p, _ = run_train(tmp_path)
+def test_relaunch_of_finished_run_says_so_and_exits_0(tmp_path, smoke_reference):
+    finished = Path(smoke_reference("dcp_sync")["checkpoint_dir"]).parents[1]  # its paths.root
+    shutil.copytree(finished, tmp_path, symlinks=True, dirs_exist_ok=True)
+    p, _ = run_train(tmp_path, "checkpoint=dcp_sync")
     assert "already reached step 12" in p.stderr + p.stdout
 
 
