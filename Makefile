@@ -5,8 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.14.1 torchvision==0.29.1
 ARGS    ?=
-# pytest-xdist workers: most drills wait on process start-up, so 2 nearly halve the wall time on
-# 2 cores; tests marked `serial` still run alone. JOBS=0: one process (pdb, -s, print debugging).
+# pytest-xdist workers: the drills are mostly process start-up, and two at once took a third off
+# the suite's wall time on 2 cores (docs/testing.md); tests marked `serial` still run alone.
+# loadfile keeps a module on one worker (its module fixtures are made once). JOBS=0: one process.
 JOBS    ?= 2
 XDIST   := -n $(JOBS) --dist loadfile
 

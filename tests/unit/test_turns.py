@@ -8,6 +8,7 @@ import fcntl
 import threading
 import time
 
+import pytest
 from helpers import turn
 
 
@@ -59,23 +60,17 @@ def test_parallel_tests_run_side_by_side(tmp_path):
     b.done()
 
 
-def test_a_serial_test_runs_alone(tmp_path):
+@pytest.mark.parametrize("first, then", [(True, False), (False, True)], ids=["serial-first", "serial-second"])
+def test_a_serial_test_runs_alone(tmp_path, first, then):
+    """Whichever comes first, the second waits until it is done."""
     entered = []
-    s = Test(tmp_path, "serial", True, entered)
-    assert s.inside.wait(10)
-    p = Test(tmp_path, "parallel", False, entered)
-    assert not p.inside.wait(0.5)  # kept out while the serial test runs
-    s.done()
-    assert p.inside.wait(10)
-    p.done()
-    # and the other way round: a serial test waits for the running parallel one
-    p = Test(tmp_path, "parallel2", False, entered)
-    assert p.inside.wait(10)
-    s = Test(tmp_path, "serial2", True, entered)
-    assert not s.inside.wait(0.5)
-    p.done()
-    assert s.inside.wait(10)
-    s.done()
+    a = Test(tmp_path, "a", first, entered)
+    assert a.inside.wait(10)
+    b = Test(tmp_path, "b", then, entered)
+    assert not b.inside.wait(0.5)
+    a.done()
+    assert b.inside.wait(10)
+    b.done()
 
 
 def test_a_waiting_serial_test_is_not_overtaken(tmp_path):
