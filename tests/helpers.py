@@ -66,7 +66,7 @@ def turn(lock_dir: Path, serial: bool):
     room, keeps new parallel tests from overtaking it (else a busy worker could starve it)."""
     try:
         import fcntl
-    except ImportError:  # no flock (Windows): no turns, as under -n 0
+    except ImportError:  # no flock (Windows): serial tests are not kept apart there; run JOBS=0
         yield
         return
     lock_dir.mkdir(parents=True, exist_ok=True)
