@@ -262,3 +262,17 @@ def two_steps(tmp_path, dist1):
 
 # a record nested past any parser's recursion limit
 DEEP = b"[" * 100000 + b"]" * 100000
+
+
+def ckpt_dir(root, name: str = "smoke") -> Path:
+    """The checkpoint dir (checkpoint.dir) of the run called `name`, or named after it, under
+    paths.root `root`: `<root>/checkpoints/<name>` or the one `<root>/checkpoints/<name>-*`. Tests
+    find a run's checkpoints through this, not by spelling the path, so the run-naming rule lives
+    in one place."""
+    base = Path(root) / "checkpoints"
+    if (base / name).is_dir():
+        return base / name
+    found = sorted(p for p in base.glob(f"{name}-*") if p.is_dir())
+    if len(found) != 1:
+        raise AssertionError(f"expected one run named {name}[-*] under {base}, found {[p.name for p in found]}")
+    return found[0]
