@@ -19,8 +19,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from goodput.config import ConfigError  # noqa: E402
-from goodput.errors import IncompatibleCheckpoint  # noqa: E402
+from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
 from goodput.run.job import AlreadyDone, prepare  # noqa: E402
 from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402
@@ -41,12 +40,12 @@ def main(cfg: DictConfig) -> float | None:
     except AlreadyDone as e:
         log.info("%s", e)
         return
-    except (ConfigError, FileNotFoundError, FileExistsError, RunLocked) as e:
+    except (UserError, FileNotFoundError, FileExistsError, RunLocked) as e:
         log.error("%s", e)
         sys.exit(2)
     try:
         summary = launch(c, ctx)
-    except (RendezvousUnreachable, IncompatibleCheckpoint) as e:
+    except (RendezvousUnreachable, UserError) as e:  # a data or store refusal: one line, exit 2
         log.error("%s", e)
         sys.exit(2)
     finally:

@@ -26,6 +26,7 @@ from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig, DemoDataConfig
+from goodput.errors import UserError
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.config import ScheduleConfig, TrainerConfig
@@ -34,7 +35,7 @@ from goodput.storage.remote import StorageConfig
 from goodput.tracking import MlflowConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     pass
 
 

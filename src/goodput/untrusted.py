@@ -21,14 +21,16 @@ import os
 import re
 import stat
 
+from goodput.errors import UserError
+
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
-class UnsafePath(ValueError):
+class UnsafePath(UserError, ValueError):
     """A path from data that could reach outside its root; the message names where it came from."""
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record that does not parse or has a field of the wrong type or range; names the file."""
 
 

@@ -15,6 +15,7 @@ from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
 from goodput.data.sampler import sample_seed
+from goodput.errors import UserError
 from goodput.resilience.accounting import restart_round
 from goodput.storage.local import atomic_file
 from goodput.storage.remote import Storage
@@ -25,11 +26,11 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
-class BadSampleError(RuntimeError):
+class BadSampleError(UserError, RuntimeError):
     """A file that cannot be read or decoded as an image; the message names it."""
 
 
-class DataRootError(FileNotFoundError):
+class DataRootError(UserError, FileNotFoundError):
     """The dataset root, a split or a class folder is missing or empty."""
 
 
