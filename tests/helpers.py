@@ -277,3 +277,17 @@ def ckpt_dir(root, name: str = "smoke") -> Path:
         names = [p.name for p in found]
         raise AssertionError(f"expected one run named {name}[-*] under {base}, found {names}")
     return found[0]
+
+
+def run_job(root, *overrides: str, run_dir=None):
+    """The job on experiment=smoke in this process (with the one_process fixture): prepare, then
+    launch. Returns (summary, the typed config)."""
+    from goodput.run import job, launch
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={root}", *overrides])
+    c, ctx, lock = job.prepare(cfg, str(run_dir or Path(root) / "run"))
+    try:
+        return launch.launch(c, ctx), c
+    finally:
+        if lock is not None:
+            lock.release()
