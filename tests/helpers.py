@@ -146,6 +146,20 @@ def compose_train(overrides, hydra=False):
         return compose("train", overrides=overrides, return_hydra_config=hydra)
 
 
+def run_job_here(root, *overrides):
+    """The job on experiment=smoke in this process (with the one_process fixture): prepare, then
+    launch one rank. Returns (summary, typed config)."""
+    from goodput.run import job, launch
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={root}", *overrides])
+    c, ctx, lock = job.prepare(cfg, str(Path(root) / "run"))
+    try:
+        return launch.launch(c, ctx), c
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 class Counter:
     """A minimal stateful component for AppState: one integer."""
 
@@ -274,5 +288,7 @@ def ckpt_dir(root, name: str = "smoke") -> Path:
         return base / name
     found = sorted(p for p in base.glob(f"{name}-*") if p.is_dir())
     if len(found) != 1:
-        raise AssertionError(f"expected one run named {name}[-*] under {base}, found {[p.name for p in found]}")
+        raise AssertionError(
+            f"expected one run named {name}[-*] under {base}, found {[p.name for p in found]}"
+        )
     return found[0]

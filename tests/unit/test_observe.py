@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import run_job_here
 from mlflow.tracking import MlflowClient
 
 from goodput.run.observe import MFU, StragglerWatch, flops_per_sample, rank_stats
@@ -80,51 +80,8 @@ def test_system_metrics_continue_the_run_across_restarts(tmp_path):
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(keys)
 
 
-@pytest.fixture
-def one_process(monkeypatch):
-    """The job in this process, one rank (as unit/test_keys.py runs it), its process-wide state put back."""
-    import torch.distributed.launcher.api as elastic_api
-
-    from goodput.parallel import LAUNCHER_ENV
-    from goodput.run import launch, worker
-
-    for k in LAUNCHER_ENV:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(elastic_api, "elastic_launch", lambda lc, fn: lambda *a: {0: fn(*a)})
-    monkeypatch.setattr(launch, "preload_forkserver", lambda: None)
-    monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)
-    monkeypatch.setattr(worker, "plot", lambda *a: None)
-    root = logging.getLogger()
-    saved = (
-        torch.get_num_threads(),
-        torch.are_deterministic_algorithms_enabled(),
-        root.level,
-        root.handlers[:],
-    )
-    yield
-    torch.set_num_threads(saved[0])
-    torch.use_deterministic_algorithms(saved[1])
-    root.setLevel(saved[2])
-    root.handlers[:] = saved[3]
-
-
-def _run_job(root, *overrides):
-    from hydra import compose, initialize_config_dir
-
-    from goodput.run import job, launch
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=smoke", f"paths.root={root}", *overrides])
-    c, ctx, lock = job.prepare(cfg, str(root / "run"))
-    try:
-        return launch.launch(c, ctx), c
-    finally:
-        if lock is not None:
-            lock.release()
-
-
 def test_profiler_trace_mfu_and_system_metrics_reach_mlflow(tmp_path, one_process):
-    summary, c = _run_job(
+    summary, c = run_job_here(
         tmp_path, "trainer.profile_start_step=3", "trainer.profile_steps=2", "trainer.peak_tflops=1.0",
         "mlflow.system_metrics_interval_s=0.2",
     )  # fmt: skip

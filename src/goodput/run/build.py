@@ -153,8 +153,12 @@ class Trainer:
         if f.hang_at_step is not None or f.hang_mtbf_seconds is not None:
             site = f.hang_site  # hang drills inside storage calls: reads of the data, writes of saves
             (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
-        self.watchdog = Watchdog(tr.hang_timeout_s, d.init_timeout_s, d.rank, self.ckpt_store)
-        self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
+        compiling = tr.compile_timeout_s if tr.compile else 0.0  # the first step compiles too
+        self.watchdog = Watchdog(
+            tr.hang_timeout_s, d.init_timeout_s + compiling, d.rank, self.ckpt_store,
+            phase_timeout_s=tr.phase_timeout_s, compile_timeout_s=compiling,
+        )  # fmt: skip
+        self.ckpt.phase = self.watchdog.phase  # a blocking save: a phase with its own bound
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
