@@ -25,7 +25,7 @@ from goodput.resilience.bookkeeping import Goodput
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.watchdog import Watchdog
-from goodput.run.compiler import CompileCache, CompileClock, compile_model
+from goodput.run.compiler import CompileCache, CompileClock
 from goodput.run.context import RunContext
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
@@ -115,8 +115,8 @@ class Trainer:
             ema = make_ema(model, opts.ema_decay)
             ema.module = strategy.replica(ema.module, d, dtype)
         self.model = strategy.wrap(model, d, dtype)
-        if tr.compile:  # the module the strategy returned: the DDP wrapper, the FSDP root
-            compile_model(self.model, tr.compile_mode, tr.compile_dynamic)
+        if tr.compile:  # as the strategy compiles: the DDP wrapper whole, FSDP per unit
+            strategy.compile(self.model, mode=tr.compile_mode, dynamic=tr.compile_dynamic)
         self.optimizer = instantiate(c.optim.optimizer)(params=self.model.parameters())
         self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
         ledger = Ledger()  # kept by self.goodput
