@@ -105,10 +105,9 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         size = self.loader.dataset.image_size
         shape = (3, size, size)  # RGB at the training resolution
-        # FLOPs counted on a copy, before a strategy wraps (FSDP shards the module in place)
-        self.mfu = MFU(
-            model, shape, self.loader.num_classes, d.device, opts.precision, tr.peak_tflops, d.world
-        )
+        # FLOPs counted on the meta device (nothing allocated), before a strategy wraps (FSDP
+        # shards the module in place)
+        self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
         ema = None
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
