@@ -90,6 +90,18 @@ def test_mfu_needs_a_known_peak():
     assert MFU(m, (10,), CPU, "32", None, world=2)(perf) == {}  # CPU: no table entry, no metric
 
 
+class ReadsItsData(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * float(x.sum() > 0)  # a value, which a meta tensor has not
+
+
+def test_a_model_that_cannot_run_on_meta_gets_no_mfu_and_trains_on(caplog):
+    with caplog.at_level(logging.WARNING, logger="goodput.run.observe"):
+        mfu = MFU(ReadsItsData(10, 5), (10,), CPU, "32", 0.5, world=1)
+    assert mfu({"perf/images_per_second": 1e9}) == {}
+    assert "perf/mfu is off" in caplog.text
+
+
 def test_straggler_watch_names_the_rank_after_consecutive_windows(caplog):
     w = StragglerWatch(factor=1.5, windows=2, rank=0)
     fast = rank_stats(torch.tensor([0.10, 0.11, 0.10, 0.12], dtype=torch.float64))
