@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from goodput.checkpoint import AppState, CheckpointManager, RNGState
 from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.manager import view as commits_view
-from goodput.config import Config, ConfigError, monitors_logged
+from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Ledger
@@ -97,6 +97,9 @@ class Trainer:
         wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)
         if wrong:  # now, not at the first evaluation after training up to it
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
+        idle = idle_top_k(tr, self.loader.num_classes)  # (validate warned about the rest)
+        if idle and d.rank == 0:
+            log.warning("%s", idle)
 
         opts = StepOptions(**{k: getattr(tr, k) for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
