@@ -104,7 +104,7 @@ def test_a_slow_first_evaluation_of_a_compiled_run_is_not_a_hang(tmp_path, one_p
 
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the cache sets it
-    evaluate, phases = loop.evaluate, []
+    evaluate, phases, bounds = loop.evaluate, [], set()
 
     def slow_evaluate(*a, **kw):
         time.sleep(3.0)  # hang_timeout_s is 2
@@ -114,6 +114,7 @@ def test_a_slow_first_evaluation_of_a_compiled_run_is_not_a_hang(tmp_path, one_p
 
     def watched(self, what, compiles=False):
         phases.append((what, compiles))
+        bounds.add((self.first_timeout_s, self.phase_timeout_s, self.compile_timeout_s))
         return phase(self, what, compiles)
 
     monkeypatch.setattr(loop, "evaluate", slow_evaluate)
@@ -126,6 +127,8 @@ def test_a_slow_first_evaluation_of_a_compiled_run_is_not_a_hang(tmp_path, one_p
     assert summary["steps"] == 8 and summary["val_accuracy"] is not None
     evals = [p for p in phases if p[0].startswith("evaluation")]
     assert evals == [("evaluation after step 4", True), ("evaluation after step 8", False)]
+    # the defaults: the first step gets parallel.init_timeout_s + trainer.compile_timeout_s
+    assert bounds == {(600.0 + 1800.0, 900.0, 1800.0)}
 
 
 @pytest.fixture
