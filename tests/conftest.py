@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import run_train, turn
+from helpers import process_state_kept, run_train, turn
 
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
@@ -94,3 +94,21 @@ def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("folder")
     make_dataset(str(root), num_classes=2, train_per_class=4, val_per_class=1, image_size=16)
     return str(root)
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The job in this process, one rank (as unit/test_keys.py runs it; helpers.run_job_here), its
+    process-wide state put back."""
+    import torch.distributed.launcher.api as elastic_api
+
+    from goodput.run import launch, worker
+
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(elastic_api, "elastic_launch", lambda lc, fn: lambda *a: {0: fn(*a)})
+    monkeypatch.setattr(launch, "preload_forkserver", lambda: None)
+    monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)
+    monkeypatch.setattr(worker, "plot", lambda *a: None)
+    with process_state_kept():
+        yield
