@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import run_train, turn
+from helpers import process_state_kept, run_train, turn
 
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
@@ -98,11 +98,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture
 def one_process(monkeypatch):
-    """The job in this process, one rank (as unit/test_keys.py runs it), its process-wide state put
-    back: for helpers.run_job."""
-    import logging
-
-    import torch
+    """The job in this process, one rank (as unit/test_keys.py runs it; helpers.run_job_here), its
+    process-wide state put back."""
     import torch.distributed.launcher.api as elastic_api
 
     from goodput.run import launch, worker
@@ -113,15 +110,5 @@ def one_process(monkeypatch):
     monkeypatch.setattr(launch, "preload_forkserver", lambda: None)
     monkeypatch.setattr(launch.AgentPhases, "install", lambda self: None)
     monkeypatch.setattr(worker, "plot", lambda *a: None)
-    root = logging.getLogger()
-    saved = (
-        torch.get_num_threads(),
-        torch.are_deterministic_algorithms_enabled(),
-        root.level,
-        root.handlers[:],
-    )
-    yield
-    torch.set_num_threads(saved[0])
-    torch.use_deterministic_algorithms(saved[1])
-    root.setLevel(saved[2])
-    root.handlers[:] = saved[3]
+    with process_state_kept():
+        yield

@@ -146,6 +146,44 @@ def compose_train(overrides, hydra=False):
         return compose("train", overrides=overrides, return_hydra_config=hydra)
 
 
+@contextmanager
+def process_state_kept():
+    """What a worker sets for the whole process (threads, determinism, logging), put back after a
+    job run in this process."""
+    import logging
+
+    import torch
+
+    root = logging.getLogger()
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        root.level,
+        root.handlers[:],
+    )
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+        root.setLevel(saved[2])
+        root.handlers[:] = saved[3]
+
+
+def run_job_here(root, *overrides, run_dir=None):
+    """The job on experiment=smoke in this process (with the one_process fixture): prepare, then
+    launch one rank. Returns (summary, typed config). `run_dir`: the launch's (default <root>/run)."""
+    from goodput.run import job, launch
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={root}", *overrides])
+    c, ctx, lock = job.prepare(cfg, str(run_dir or Path(root) / "run"))
+    try:
+        return launch.launch(c, ctx), c
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 class Counter:
     """A minimal stateful component for AppState: one integer."""
 
@@ -277,17 +315,3 @@ def ckpt_dir(root, name: str = "smoke") -> Path:
         names = [p.name for p in found]
         raise AssertionError(f"expected one run named {name}[-*] under {base}, found {names}")
     return found[0]
-
-
-def run_job(root, *overrides: str, run_dir=None):
-    """The job on experiment=smoke in this process (with the one_process fixture): prepare, then
-    launch. Returns (summary, the typed config)."""
-    from goodput.run import job, launch
-
-    cfg = compose_train(["experiment=smoke", f"paths.root={root}", *overrides])
-    c, ctx, lock = job.prepare(cfg, str(run_dir or Path(root) / "run"))
-    try:
-        return launch.launch(c, ctx), c
-    finally:
-        if lock is not None:
-            lock.release()

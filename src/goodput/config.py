@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,6 +34,8 @@ from goodput.run.config import ScheduleConfig, TrainerConfig
 from goodput.run.monitor import check_logged
 from goodput.storage.remote import StorageConfig
 from goodput.tracking import MlflowConfig
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(UserError, ValueError):
@@ -182,6 +185,81 @@ def monitors_logged(
     return [e for key, name in watched.items() for e in check_logged(name, key, top_k, num_classes)]
 
 
+def idle_settings(trainer: TrainerConfig) -> list[str]:
+    """Settings that are accepted but can do nothing in this run (a warning each, naming the keys)."""
+    tr, out = trainer, []
+    n, every, patience = tr.max_steps, tr.eval_every_n_steps, tr.early_stopping_patience
+    evals = n // every + (n % every > 0) if every else 1  # (the last step always evaluates)
+    if patience is not None and evals <= patience:  # the first evaluation only sets the best
+        out.append(
+            f"trainer.early_stopping_patience={patience} can never stop the run: "
+            f"trainer.eval_every_n_steps={every} with trainer.max_steps={n} makes {evals} evaluation(s), "
+            f"and the first one only sets the best"
+        )
+    if tr.profile_start_step is not None and tr.profile_start_step > n:
+        out.append(f"trainer.profile_start_step={tr.profile_start_step} is after trainer.max_steps={n}: "
+                   "no step is profiled")  # fmt: skip
+    return out
+
+
+def idle_top_k(trainer: TrainerConfig, num_classes: int) -> str | None:
+    """trainer.eval_top_k at or above the class count (known once the data is listed): a warning."""
+    eval_top_k = trainer.eval_top_k
+    if eval_top_k is not None and eval_top_k >= num_classes:
+        return (f"trainer.eval_top_k={eval_top_k} with {num_classes} classes: val/top{eval_top_k} "
+                "counts every sample, it is always 1.0")  # fmt: skip
+    return None
+
+
+def optim_errors(optim: dict) -> list[str]:
+    """The optimizer and its LR schedule, built once on a stand-in parameter: their constructors'
+    own checks (a negative learning rate, betas out of range, a schedule that divides by zero) fail
+    now, naming the key, not after the data is made. Only the errors those checks raise count
+    (ValueError, ArithmeticError): an optimizer of your own that needs the real model is built later."""
+    param = torch.nn.Parameter(torch.zeros(1))
+
+    def optimizer(node):
+        return instantiate(node)(params=[param])
+
+    try:
+        opt = optimizer(optim["optimizer"])
+    except (ValueError, ArithmeticError) as e:
+        return [f"{_culprit('optim.optimizer', optim['optimizer'], optimizer)}: {e}"]
+
+    def schedule(node):
+        return instantiate(node)(opt)
+
+    try:
+        if optim.get("schedule") is not None:
+            schedule(optim["schedule"])
+    except (ValueError, ArithmeticError) as e:
+        return [f"{_culprit('optim.schedule', optim['schedule'], schedule)}: {e}"]
+    return []
+
+
+def _culprit(where: str, node: dict, build_with) -> str:
+    """`where.<key>=<value>` for the key whose value the constructor refused: the one that, put
+    back to the target's default, makes it build; else `where` (<target>)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(node["_target_"])).parameters
+    except Exception:
+        params = {}
+    for k, v in node.items():
+        p = params.get(k)
+        if k.startswith("_") or p is None or p.default is inspect.Parameter.empty:
+            continue
+        try:
+            build_with({**node, k: p.default})
+        except Exception:
+            continue
+        return f"{where}.{k}={v!r}"
+    return f"{where} ({node.get('_target_')})"
+
+
 def validate(c: dict) -> Config:
     """Check a resolved config (plain dict) and convert it, once, into the schemas' dataclasses:
     the `Config` the job's code reads (`cfg.trainer.max_steps`). Raises ConfigError listing every
@@ -243,13 +321,19 @@ def validate(c: dict) -> Config:
                 f"runs per_rank / micro_batch_size whole micro-batches per step"
             )
 
-    if "trainer" in nodes and "checkpoint" in nodes:  # (the number of classes: known in build.Trainer)
-        errors += monitors_logged(nodes["trainer"], nodes["checkpoint"])
+    # The number of classes, where the config says it: the demo data (else known in build.Trainer)
+    demo = c["data"]["root"] == c["paths"]["data_dir"]
+    classes = c["demo_data"]["num_classes"] if demo else None
+    if "trainer" in nodes and "checkpoint" in nodes:
+        errors += monitors_logged(nodes["trainer"], nodes["checkpoint"], classes)
+    errors += optim_errors(c["optim"])
     if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
         errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+    for w in idle_settings(nodes["trainer"]):  # (eval_top_k against the classes: once they are listed)
+        log.warning("%s", w)
     untyped = {k: c[k] for k in ("seed", "model")}  # seed: an int; model: a `_target_` node
     return Config(**untyped, **nodes)
 

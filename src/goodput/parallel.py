@@ -148,6 +148,14 @@ class Single:
         """Accumulate gradients locally (all micro-steps but the last)."""
         return contextlib.nullcontext()
 
+    def compile(self, model: nn.Module, **options) -> nn.Module:
+        """torch.compile the wrapped `model` in place (`options`: torch.compile's), compiled on the
+        first call. In place (`nn.Module.compile`): the state-dict keys stay the plain module's,
+        without `_orig_mod.`. Here and under DDP the module the strategy returned is compiled whole
+        (the DDP wrapper: DDPOptimizer splits the graph at the gradient buckets, as torch asks)."""
+        model.compile(**options)
+        return model
+
     def grad_scaler(self, device: torch.device, enabled: bool):
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
@@ -189,6 +197,18 @@ class FSDP(Single):
 
     def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
         return self._shard(module, d, param_dtype)  # sharded like the model: saved, resharded alike
+
+    def compile(self, model: nn.Module, **options) -> nn.Module:
+        """Per block, as torchtitan does: the `forward` of each unit fully_shard wrapped (of the
+        root when there is none). FSDP2's all-gather and reshard are module hooks around
+        `forward`, so they stay outside the compiled code. Compiling the root, or a unit in place
+        (`nn.Module.compile`, before or after fully_shard), puts the hooks inside, where dynamo
+        skips them (torch._dynamo.config.skip_fsdp_hooks) and, on torch 2.14, then compiles no
+        graph at all: the run trains eagerly (docs/compile.md). What is outside the units (a
+        ResNet's stem, a head) runs eagerly. State-dict keys are unchanged."""
+        for unit in shard_units(model) or [model]:
+            unit.forward = torch.compile(unit.forward, **options)
+        return model
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):

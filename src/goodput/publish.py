@@ -5,9 +5,10 @@ registers it when `mlflow.registered_model_name` is set.
 
 The weights come from the checkpoint, not from the live model: no collective (rank 0 alone, after
 the others are done), no gathering under FSDP, and the tag names exactly the commit they came
-from. Training is over when this runs, and it runs on a thread bounded by `timeout_s`: an artifact
-store that fails or hangs costs a warning, never the finished run (the checkpoint stays the source
-of truth; summary.json's mlflow_model_uri is then null).
+from. Training is over when this runs, and it runs on a thread bounded by `timeout_s`
+(mlflow.artifact_timeout_s), as do the run's other uploads (`bounded`): an artifact store that
+fails or hangs costs a warning, never the finished run (the checkpoint stays the source of truth;
+summary.json's mlflow_model_uri is then null).
 """
 
 from __future__ import annotations
@@ -54,13 +55,20 @@ def log_model(
                 step, type(e).__name__, e, ckpt.storage.url(f"step-{step:09d}"),
             )  # fmt: skip
 
-    th = threading.Thread(target=work, name="mlflow-model", daemon=True)
+    return out[0] if bounded(work, timeout_s, "logging the model to MLflow") else None
+
+
+def bounded(fn, timeout_s: float, what: str) -> bool:
+    """Run `fn` on a daemon thread for at most `timeout_s`; False (and a warning) when it did not
+    end by then. The end of a run waits on the artifact store only this long: the watchdog is
+    stopped by then (goodput.run.worker), so nothing else would bound a store that hangs."""
+    th = threading.Thread(target=fn, name=f"mlflow: {what}", daemon=True)
     th.start()
     th.join(timeout_s)
     if th.is_alive():
-        log.warning("logging the model to MLflow took over %.0f s: gave up (the checkpoint stays)", timeout_s)
-        return None
-    return out[0]
+        log.warning("%s took over %.0f s: gave up (the checkpoint stays)", what, timeout_s)
+        return False
+    return True
 
 
 def _log(c, run_id, ckpt, step, source, registered_name, example, num_classes) -> str:

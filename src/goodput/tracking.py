@@ -60,6 +60,12 @@ class MlflowConfig:
     checkpoint.keep_best_by), `none`. After training, on its own thread: a failing artifact store
     only warns. summary.json's mlflow_model_uri loads it (mlflow.pytorch.load_model)."""
 
+    artifact_timeout_s: float = 600.0
+    """Bound on each upload to the artifact store at the end of a run: the logged model, then the
+    run's files (summary.json, goodput.png, the evaluation report, .hydra/). A store slower than
+    that costs a warning and the upload (summary.json's mlflow_model_uri is then null), never the
+    finished run: summary.json is written and the MLflow run ends FINISHED whatever the store does."""
+
     registered_model_name: str | None = None
     """Also register the logged model under this name in the Model Registry (null = don't)."""
 
@@ -77,6 +83,8 @@ class MlflowConfig:
             raise ValueError(
                 f"mlflow.system_metrics_interval_s must be >= 0 or null, got {self.system_metrics_interval_s}"
             )
+        if not self.artifact_timeout_s > 0:
+            raise ValueError(f"mlflow.artifact_timeout_s must be > 0, got {self.artifact_timeout_s}")
         if self.log_model not in ("final", "best", "none"):
             raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
 

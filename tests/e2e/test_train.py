@@ -128,12 +128,18 @@ def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
         ("parallel=fsdp parallel.nproc_per_node=1", "shards parameters: it needs more than one process"),
         ("parallel=ddp trainer.global_batch_size=15", "not divisible by the world size 2"),
         ("parallel=ddp parallel.nproc_per_node=64", "more processes than this machine can run"),
+        # #34: both failed after the demo data was made (the optimizer's traceback, the build's check)
+        ("optim.optimizer.lr=-0.1 checkpoint.keep_best_by=val/top5 demo_data.num_classes=3",
+         "optim.optimizer.lr=-0.1: Invalid learning rate | checkpoint.keep_best_by=val/top5: with 3 classes"),
     ],
-)
+)  # fmt: skip
 def test_bad_config_fails_before_work(tmp_path, override, message):
     p, s = run_train(tmp_path, *override.split(), expect_rc=2)
-    assert message in p.stderr + p.stdout
+    for part in message.split(" | "):
+        assert part in p.stderr + p.stdout
+    assert "Traceback" not in p.stderr + p.stdout
     assert s is None and not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "remote").exists()  # no demo data made
 
 
 def test_unknown_option_is_hydras_error(tmp_path):

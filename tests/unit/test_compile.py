@@ -13,9 +13,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.checkpoint import AppState
 from goodput.model import SmallCNN
+from goodput.parallel import Single
 from goodput.resilience.accounting import sync_point
 from goodput.run import compiler
-from goodput.run.compiler import CompileCache, CompileClock, compile_model
+from goodput.run.compiler import CompileCache, CompileClock
 from goodput.storage.remote import Storage
 
 
@@ -28,7 +29,7 @@ def _trained(seed: int, compiled: bool = False):
     torch.manual_seed(seed)
     m = SmallCNN(num_classes=10, width=8)
     if compiled:  # lazy: nothing compiles until it is called
-        m = compile_model(m, "default", False)
+        m = Single().compile(m, mode="default", dynamic=False)
     app, opt = _app(m)
     for p in m.parameters():  # momentum buffers exist only after a step
         p.grad = torch.randn_like(p)
@@ -73,20 +74,26 @@ def _flat(tree, prefix=""):
     return {prefix: tree}
 
 
-def test_the_compile_clock_counts_torchs_compile_time_only(monkeypatch):
-    """The loop subtracts `take()` from the step it timed: it is the growth of torch's top-level
-    compile metrics (forward and backward), nothing else, and 0 when compile is off."""
+def test_the_compile_clock_counts_torchs_compile_time_only(monkeypatch, caplog):
+    """The loop subtracts `take()` from the step it timed: the growth of torch's top-level compile
+    metrics (forward and backward), nothing else, 0 when compile is off, and the forward's only
+    when dynamo compiled a graph: a frame it fell back to eager for (FSDP's root, #34) ran eagerly."""
     from torch._dynamo import utils
 
     metrics = {"_compile.compile_inner": [2.0], "backward._backward_impl": [], "compile_fx_inner": [9.0]}
     monkeypatch.setattr(utils, "compilation_time_metrics", metrics)
+    monkeypatch.setitem(utils.counters, "stats", {"unique_graphs": 5})  # the process's, from before
     clock = CompileClock(True)
-    assert clock.take() == 0.0
+    metrics["_compile.compile_inner"].append(0.7)  # dynamo ran, compiled nothing: eager
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        assert clock.take() == 0.0
+    assert "compiled no graph in the first step" in caplog.text
     metrics["_compile.compile_inner"].append(1.5)  # a recompile
+    utils.counters["stats"]["unique_graphs"] += 1
     metrics["backward._backward_impl"].append(0.5)
     metrics["compile_fx_inner"].append(7.0)  # nested inside the two above: not counted again
     assert clock.take() == pytest.approx(2.0)
-    assert clock.take() == 0.0 and clock.total == pytest.approx(2.0)
+    assert clock.take() == 0.0 and clock.total == pytest.approx(2.0) and clock.graphs == 1
     assert CompileClock(False).take() == 0.0
 
 
@@ -97,7 +104,7 @@ def test_what_a_start_paid_is_the_clocks_total_and_its_caches_source():
     clock.total = 1.23456
     paid = clock.paid()
     assert paid["first_step_seconds"] == 1.2346 and paid["cache_artifacts_loaded"] == 3
-    assert paid["cache_source"] == "remote" and "fxgraph_cache_hit" in paid
+    assert paid["cache_source"] == "remote" and "fxgraph_cache_hit" in paid and paid["graphs"] == 0
     assert CompileClock(False).paid() is None
 
 
@@ -220,3 +227,68 @@ def test_a_linked_cache_is_refused_locally_and_beside_the_checkpoints(tmp_path, 
         cache.activate()
     assert (cache.loaded, cache.source, fake.loaded) == (0, None, [])
     assert caplog.text.count("not a regular file") == 2
+
+
+def _fsdp_compiled_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: the same FSDP2 model trained 2 steps eagerly and compiled (as
+    parallel=fsdp trainer.compile=true compiles it), then one inference pass; what torch compiled."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from goodput.parallel import FSDP, Dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    d = Dist(rank, 2, rank, torch.device("cpu"), None)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)
+    ]
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = FSDP().wrap(SmallCNN(num_classes=4, width=8), d)
+        if compiled:  # aot_eager: dynamo's graphs and AOTAutograd's backward, without inductor's C++ build
+            FSDP().compile(model, backend="aot_eager", dynamic=False)
+        clock = CompileClock(compiled)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:  # this rank's half of the global batch
+            xs, ys = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            logits = model.eval()(data[0][0][:8])
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        got[compiled] = {"state": full, "logits": logits, "compile_seconds": clock.take()}
+    got["graphs"] = int(counters["stats"]["unique_graphs"])
+    got["graph_breaks"] = sum(counters["graph_break"].values())
+    if rank == 0:
+        torch.save(got, os.path.join(out, "rank0.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compile_under_fsdp_compiles_graphs_and_trains_the_eager_model(tmp_path):
+    """#34: parallel=fsdp trainer.compile=true exited 0 with dynamo falling back to eager (the root
+    compiled whole: FSDP's hooks inside, no graph), while compile_seconds reported compile time.
+    Now each unit's forward is compiled: graphs, no graph break, compile time counted, and the
+    model after two steps is the eager FSDP model's within 1e-5 (aot_eager rounds as eager does)."""
+    import torch.multiprocessing as mp
+
+    from goodput.parallel import free_port
+
+    mp.spawn(_fsdp_compiled_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert got["graphs"] >= 3 and got["graph_breaks"] == 0, got  # SmallCNN's 3 units (forward)
+    assert got[True]["compile_seconds"] > 0 and got[False]["compile_seconds"] == 0.0
+    eager, compiled = got[False]["state"], got[True]["state"]
+    assert eager.keys() == compiled.keys()  # no `_orig_mod.`: the same checkpoint either way
+    torch.manual_seed(0)
+    init = SmallCNN(num_classes=4, width=8).state_dict()
+    assert not torch.equal(init["head.weight"], eager["head.weight"])  # it trained
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-5, msg=k)
+    torch.testing.assert_close(got[True]["logits"], got[False]["logits"], rtol=1e-5, atol=1e-5)

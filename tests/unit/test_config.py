@@ -167,6 +167,81 @@ def test_checks_live_in_the_schema():
             validate(bad)
 
 
+def test_checks_that_need_only_the_config_fail_at_validate_naming_the_key():
+    """#34: a negative learning rate and a keep_best_by metric that cannot exist failed only after
+    the demo data was made (a traceback from the optimizer's constructor, or the build's check)."""
+    from helpers import check_config_change
+
+    c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke"]), resolve=True)
+    sgd, adamw = c["optim"]["optimizer"], {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3}
+    three = {"demo_data": {"num_classes": 3}}  # the demo data: its class count is in the config
+    for change, message in [
+        ({"optim": {"optimizer": {**sgd, "lr": -0.1}}},
+         "optim.optimizer.lr=-0.1: Invalid learning rate: -0.1"),
+        ({"optim": {"optimizer": {**adamw, "betas": [0.9, 1.5]}}},
+         "optim.optimizer.betas=[0.9, 1.5]: Invalid beta"),
+        ({"optim": {"optimizer": {**sgd, "momentum": -1.0}}}, "optim.optimizer.momentum=-1.0"),
+        ({"checkpoint": {"keep_best_by": "val/top5"}, **three},
+         "checkpoint.keep_best_by=val/top5: with 3 classes no top-k is logged"),
+        ({"trainer": {"early_stopping_patience": 2, "early_stopping_by": "val/top5", "eval_every_n_steps": 4},
+          **three}, "trainer.early_stopping_by=val/top5: with 3 classes no top-k is logged"),
+        ({"checkpoint": {"keep_best_by": "val/top5"}}, None),  # 10 classes
+        ({"checkpoint": {"keep_best_by": "val/top5"}, **three, "data": {"root": "/my/data"}},
+         None),  # not the demo data: its classes are counted once it is listed
+        ({"optim": {"optimizer": {**sgd, "lr": 0.0}}}, None),
+    ]:  # fmt: skip
+        check_config_change(c, change, message)
+
+
+def test_settings_that_do_nothing_warn_at_validate(caplog):
+    c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke"]), resolve=True)  # 12 steps
+    tr = c["trainer"]
+    for change, warning in [
+        ({"early_stopping_patience": 1, "eval_every_n_steps": 20},
+         "trainer.early_stopping_patience=1 can never stop the run: trainer.eval_every_n_steps=20 with "
+         "trainer.max_steps=12 makes 1 evaluation(s)"),
+        ({"early_stopping_patience": 3, "eval_every_n_steps": 4}, "makes 3 evaluation(s)"),  # 4, 8, 12
+        ({"profile_start_step": 13}, "trainer.profile_start_step=13 is after trainer.max_steps=12"),
+        ({"early_stopping_patience": 2, "eval_every_n_steps": 4}, None),  # can stop at step 12
+        ({"profile_start_step": 12}, None),
+    ]:  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="goodput.config"):
+            validate({**c, "trainer": {**tr, **change}})
+        if warning is None:
+            assert not caplog.records, caplog.text
+        else:
+            assert warning in caplog.text
+
+
+def test_eval_top_k_at_the_class_count_warns_once_the_data_is_listed(tmp_path, monkeypatch, caplog):
+    import time
+
+    from goodput.data.synthetic import make_dataset
+    from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
+    from goodput.run import build
+    from goodput.run.context import RunContext
+
+    root = tmp_path / "d"
+    make_dataset(str(root), num_classes=3, train_per_class=8, val_per_class=1, image_size=16)
+    c = OmegaConf.to_container(
+        compose_train(
+            [f"paths.root={tmp_path}", "experiment=smoke", f"data.root={root}", "trainer.eval_top_k=3"]
+        ),
+        resolve=True,
+    )
+    typed = validate(c)  # the classes are not known from the config here
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    with caplog.at_level("WARNING", logger="goodput"):
+        t = build.Trainer(typed, RunContext(str(tmp_path / "run"), time.time(), "0" * 16), init_distributed())
+    t.close()
+    shutdown_distributed()
+    assert (
+        "trainer.eval_top_k=3 with 3 classes: val/top3 counts every sample, it is always 1.0" in caplog.text
+    )
+
+
 def test_schedules_from_target_nodes():
     import torch
     from hydra.utils import instantiate

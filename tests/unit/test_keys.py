@@ -47,7 +47,7 @@ import sys
 from collections import defaultdict
 
 import pytest
-from helpers import REPO
+from helpers import REPO, process_state_kept
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_object
 from omegaconf import OmegaConf
@@ -225,7 +225,6 @@ def run_job(root, overrides) -> dict | None:
 def recorded(monkeypatch):
     """The instruments, and the process-wide state a worker sets (threads, determinism, logging)
     put back afterwards, for the tests that run after these in the same process."""
-    import logging
 
     import torch
     import torch.distributed.launcher.api as elastic_api
@@ -249,22 +248,12 @@ def recorded(monkeypatch):
     _instrument_schemas(monkeypatch)
     _instrument_conversions(monkeypatch)
     _let_omegaconf_take_nodes(monkeypatch)
-    root = logging.getLogger()
-    saved = (
-        torch.get_num_threads(),
-        torch.are_deterministic_algorithms_enabled(),
-        root.level,
-        root.handlers[:],
-    )
     REC = Recorder()
     try:
-        yield REC
+        with process_state_kept():
+            yield REC
     finally:
         REC = None
-        torch.set_num_threads(saved[0])
-        torch.use_deterministic_algorithms(saved[1])
-        root.setLevel(saved[2])
-        root.handlers[:] = saved[3]
 
 
 # -- what the records say -----------------------------------------------------------------------

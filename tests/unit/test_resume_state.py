@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_job
+from helpers import run_job_here
 
 from goodput.checkpoint import BACKENDS
 from goodput.checkpoint.commits import Commits
@@ -29,11 +29,11 @@ def test_the_jobs_ema_resumes_under_every_backend(tmp_path, one_process, backend
     those differ from the model's (an EMA lost at the resume, or restored from the model, fails)."""
     keys = ("trainer.ema_decay=0.5", f"checkpoint={backend}", "trainer.max_steps=6",
             "checkpoint.every_n_steps=3", "checkpoint.keep_last=3", "mlflow.log_model=none")  # fmt: skip
-    first, _ = run_job(tmp_path, *keys)
+    first, _ = run_job_here(tmp_path, *keys)
     ckpt = first["checkpoint_dir"]
     ema, model = _weights(ckpt, 6, "ema"), _weights(ckpt, 6, "model")
     assert any(not torch.equal(ema[k], model[k]) for k in model)  # the EMA is not the model
-    again, _ = run_job(tmp_path, *keys, f"run.resume={ckpt}/step-000000003", run_dir=tmp_path / "again")
+    again, _ = run_job_here(tmp_path, *keys, f"run.resume={ckpt}/step-000000003", run_dir=tmp_path / "again")
     assert again["resumed_from_steps"][-1] == 3 and again["steps"] == 6
     resumed = _weights(ckpt, 6, "ema")
     assert resumed.keys() == ema.keys()
@@ -55,5 +55,5 @@ def test_the_worker_arms_the_hang_watchdog_for_the_loop(tmp_path, one_process, m
         return train(t)
 
     monkeypatch.setattr(loop, "train", watched)
-    run_job(tmp_path, "trainer.max_steps=2", "trainer.hang_timeout_s=123", "mlflow.log_model=none")
+    run_job_here(tmp_path, "trainer.max_steps=2", "trainer.hang_timeout_s=123", "mlflow.log_model=none")
     assert seen == {"alive": True, "timeout": 123}

@@ -140,6 +140,65 @@ def test_fp16_overflow_skips_the_step_and_the_scaler_state_resumes():
         assert (c.skipped_steps == a.skipped_steps) == keep_scaler
 
 
+FP16 = StepOptions(precision="16-mixed")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("scale", float("nan")), ("scale", float("inf")), ("scale", 0.0), ("scale", -1.0), ("scale", "1"),
+     ("_growth_tracker", -1), ("_growth_tracker", 1.5), ("growth_factor", float("nan")),
+     ("backoff_factor", 0.0), ("growth_interval", 0)],
+)  # fmt: skip
+def test_a_forged_scaler_state_is_refused_naming_the_field(field, value):
+    """#34: a GradScaler state with `scale: NaN` from a checkpoint made every step skip. Refused
+    before anything is applied (ValueError: the restore falls back to the previous commit)."""
+    s = make_step(FP16)
+    live = s.scaler.state_dict()
+    forged = {"scaler": {**live, field: value}, "skipped_steps": 0}
+    with pytest.raises(ValueError, match=re.escape(f"scaler.{field}={value!r}")):
+        s.load_state_dict(decode(encode(forged)))  # as a checkpoint holds it (JSON)
+    assert s.scaler.state_dict() == live
+    with pytest.raises(ValueError, match=re.escape("skipped_steps=-2")):
+        s.load_state_dict({"scaler": live, "skipped_steps": -2})
+
+
+def test_skipped_steps_are_counted_whatever_the_scale():
+    """A NaN scale skips every step and never backs off (NaN * 0.5 is NaN): comparing the scale
+    before and after counted none. Counted where it happens now: the optimizer did not run."""
+    s = make_step(FP16)
+    torch.amp.GradScaler.load_state_dict(s.scaler, {**s.scaler.state_dict(), "scale": float("nan")})
+    before = params(s)
+    for i, (x, y) in enumerate(batches(3)):
+        s(x, y, i)
+    assert same(params(s), before) and s.skipped_steps == 3
+    assert s.metrics()["train/skipped_steps"] == 3
+    ok = make_step(FP16)
+    ok(*batches(1)[0], 0)
+    assert ok.skipped_steps == 0  # a step the optimizer took is not a skipped one
+
+
+def test_a_commit_with_a_forged_scale_falls_back_to_the_previous_one(tmp_path, dist1):
+    """The refusal at restore: the commit is intact but its state is not a state training can
+    continue from, so it is skipped (named, with the field) and the previous commit loads."""
+    s = make_step(FP16)
+    app = AppState(s.model, s.optimizer, rank=0)
+    app.register("step", s)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    s(*batches(1)[0], 0)
+    mgr.save(1, app)
+    good = s.state_dict()
+    s.scaler.state_dict = lambda: {**good["scaler"], "scale": float("nan")}  # what a forger writes
+    mgr.save(2, app)
+    mgr.wait()
+    r = make_step(FP16, seed=3)
+    rapp = AppState(r.model, r.optimizer, rank=0)
+    rapp.register("step", r)
+    rec, skipped = mgr.restore(rapp, mgr.committed())
+    assert rec["step"] == 1 and r.state_dict() == good
+    assert len(skipped) == 1 and "step-000000002" in skipped[0] and "scaler.scale=nan" in skipped[0]
+    mgr.close()
+
+
 def test_ema_follows_the_weights_from_its_start_step():
     decay, every, start = 0.8, 2, 3
     s = make_step(StepOptions(ema_decay=decay, ema_every_n_steps=every, ema_start_step=start))

@@ -13,6 +13,7 @@ disk) and compared with the commit record. A mismatch anywhere is a collective f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +45,10 @@ from goodput.storage.checksum import CHECKSUM, file_digest
 from goodput.storage.remote import DIR, FOREIGN, Storage
 
 log = logging.getLogger(__name__)
+
+
+def _no_phase(what: str):
+    return contextlib.nullcontext()
 
 
 def view(cfg: CheckpointConfig, storage: Storage) -> Commits:
@@ -78,7 +83,7 @@ class CheckpointManager:
         self.cfg, self.storage, self.backend = cfg, storage, backend
         self.rank, self.world, self.local_rank, self.pg = rank, world, local_rank, pg
         self.fault = fault
-        self.progress = None  # called with what the rank now does (the hang watchdog's doing())
+        self.phase = _no_phase  # a save is a phase of its own for the hang watchdog (its phase())
         self.commit_info = commit_info or {}
         self._pending = None  # (step, Pending, thread)
         self._bg_error: BaseException | None = None
@@ -128,10 +133,13 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, app: AppState, extra: dict | None = None) -> float:
-        """Start a checkpoint of `step`; returns the seconds the loop was blocked."""
+        """Start a checkpoint of `step`; returns the seconds the loop was blocked (waiting for the
+        previous upload included): a known long phase, with the watchdog's phase bound."""
+        with self.phase(f"checkpoint save of step {step}"):
+            return self._save(step, app, extra)
+
+    def _save(self, step: int, app: AppState, extra: dict | None) -> float:
         t0 = time.perf_counter()
-        if self.progress is not None:
-            self.progress(f"checkpoint save of step {step}")
         self._finish_pending()  # one save in flight at most
         self._last_save_time = time.monotonic()
         local = os.path.join(self.cfg.staging_dir, step_dir(step))
@@ -314,7 +322,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save is uploaded (and committed, on rank 0)."""
-        self._finish_pending()
+        with self.phase("waiting for the last checkpoint upload"):
+            self._finish_pending()
 
     def close(self) -> None:
         self.wait()

@@ -1,6 +1,13 @@
 """Hang watchdog: a rank that makes no progress for `trainer.hang_timeout_s` is ended, so the
 ordinary restart path (the elastic agent, or a relaunch) takes over within seconds.
 
+That bound is for progress between steps. The phases known to be long get their own: the start
+until the first step is done (restore, a cold cache and the first fetch, warm-up), an evaluation
+pass, a blocking save, and with `trainer.compile` the first step and first evaluation of each
+process, which compile (`phase`). A slow phase is not a hang; a hang inside one is caught by its
+bound. After the loop the worker stops the watchdog: the end of a run (model logging, the summary)
+bounds its own waits (goodput.publish), and a finished run is never ended as hung.
+
 The rank's main thread may be stuck anywhere: in a C++ collective whose peer hung, in a storage
 request, waiting for a DataLoader worker. So the check runs on a thread of its own, which needs
 nothing from the main thread (gloo, sleeps and socket waits release the GIL). Before the exit it
@@ -11,6 +18,7 @@ attempt counts the stall as `hung` in the goodput ledger and its recovery starts
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -26,14 +34,23 @@ RECORDS = "faults"  # beside the fault markers: recovery reads the newest as the
 
 
 class Watchdog:
-    """`beat(step)` after each step; `doing(what)` names the phase the rank enters (both count as
-    progress). Until the first beat the limit is `first_timeout_s` (restore, first step, compile)."""
+    """`beat(step)` after each step; `with phase(what)` around a known long phase; `doing(what)`
+    names what the rank does now (each counts as progress). The time allowed without progress:
+    `first_timeout_s` until the first beat, `timeout_s` between steps, `phase_timeout_s` inside a
+    phase, plus `compile_timeout_s` inside one that compiles (0 when nothing is compiled)."""
 
-    def __init__(self, timeout_s: float, first_timeout_s: float, rank: int, storage=None, attempt: int = 0):
+    def __init__(
+        self, timeout_s: float, first_timeout_s: float, rank: int, storage=None, attempt: int = 0,
+        phase_timeout_s: float | None = None, compile_timeout_s: float = 0.0,
+    ):  # fmt: skip
         self.timeout_s, self.first_timeout_s = timeout_s, max(first_timeout_s, timeout_s)
+        self.phase_timeout_s = max(phase_timeout_s or 0.0, timeout_s)  # never below the step's
+        self.compile_timeout_s = compile_timeout_s
         self.rank, self.storage, self.attempt = rank, storage, attempt
         self.step, self.what = None, "starting"
-        self._last = time.monotonic()
+        # (last progress, the bound from it): one tuple, so the thread never pairs a new bound
+        # with an old time
+        self._since = (time.monotonic(), self.first_timeout_s)
         self._last_wall = time.time()
         self._stop = threading.Event()
         self._thread = None
@@ -46,30 +63,47 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         self.step, self.what = step, f"after step {step}"
-        self._last, self._last_wall = time.monotonic(), time.time()
+        self._progress(self.timeout_s)
 
     def doing(self, what: str) -> None:
         self.what = what
-        self._last, self._last_wall = time.monotonic(), time.time()
+        self._progress(self._since[1])
+
+    @contextlib.contextmanager
+    def phase(self, what: str, compiles: bool = False):
+        """A known long phase (an evaluation pass, a blocking save): until it ends the rank may go
+        `phase_timeout_s` without progress (+ `compile_timeout_s` when it `compiles`), never less
+        than the phase around it; its start and its end are progress."""
+        outer_what, outer_bound = self.what, self._since[1]
+        bound = self.phase_timeout_s + (self.compile_timeout_s if compiles else 0.0)
+        self.what = what
+        self._progress(max(bound, outer_bound))
+        try:
+            yield
+        finally:
+            self.what = outer_what
+            self._progress(outer_bound)
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _limit(self) -> float:
-        return self.first_timeout_s if self.step is None else self.timeout_s
+    def _progress(self, bound: float) -> None:
+        self._since = (time.monotonic(), bound)
+        self._last_wall = time.time()
 
     def _run(self) -> None:
         while not self._stop.wait(min(0.25, self.timeout_s / 4)):
-            idle = time.monotonic() - self._last
-            if idle > self._limit():
-                self._fire(idle)
+            since, bound = self._since
+            idle = time.monotonic() - since
+            if idle > bound:
+                self._fire(idle, bound)
                 return
 
-    def _fire(self, idle: float) -> None:
+    def _fire(self, idle: float, bound: float) -> None:
         log.error(
             "hang watchdog: rank %d made no progress for %.1fs (limit %.0fs); last step done: %s; "
             "doing: %s. Python stacks of every thread follow; exiting (%d) for a restart.",
-            self.rank, idle, self._limit(), self.step, self.what, HUNG_EXIT,
+            self.rank, idle, bound, self.step, self.what, HUNG_EXIT,
         )  # fmt: skip
         for h in logging.getLogger().handlers:
             h.flush()

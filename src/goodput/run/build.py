@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from goodput.checkpoint import AppState, CheckpointManager, RNGState
 from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.manager import view as commits_view
-from goodput.config import Config, ConfigError, monitors_logged
+from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Ledger
@@ -25,7 +25,7 @@ from goodput.resilience.bookkeeping import Goodput
 from goodput.resilience.fault import Faults
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.watchdog import Watchdog
-from goodput.run.compiler import CompileCache, CompileClock, compile_model
+from goodput.run.compiler import CompileCache, CompileClock
 from goodput.run.context import RunContext
 from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
@@ -97,6 +97,9 @@ class Trainer:
         wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)
         if wrong:  # now, not at the first evaluation after training up to it
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
+        idle = idle_top_k(tr, self.loader.num_classes)  # (validate warned about the rest)
+        if idle and d.rank == 0:
+            log.warning("%s", idle)
 
         opts = StepOptions(**{k: getattr(tr, k) for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
@@ -105,18 +108,17 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         size = self.loader.dataset.image_size
         shape = (3, size, size)  # RGB at the training resolution
-        # FLOPs counted on a copy, before a strategy wraps (FSDP shards the module in place)
-        self.mfu = MFU(
-            model, shape, self.loader.num_classes, d.device, opts.precision, tr.peak_tflops, d.world
-        )
+        # FLOPs counted on the meta device (nothing allocated), before a strategy wraps (FSDP
+        # shards the module in place)
+        self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
         ema = None
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
             ema = make_ema(model, opts.ema_decay)
             ema.module = strategy.replica(ema.module, d, dtype)
         self.model = strategy.wrap(model, d, dtype)
-        if tr.compile:  # the module the strategy returned: the DDP wrapper, the FSDP root
-            compile_model(self.model, tr.compile_mode, tr.compile_dynamic)
+        if tr.compile:  # as the strategy compiles: the DDP wrapper whole, FSDP per unit
+            strategy.compile(self.model, mode=tr.compile_mode, dynamic=tr.compile_dynamic)
         self.optimizer = instantiate(c.optim.optimizer)(params=self.model.parameters())
         self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
         ledger = Ledger()  # kept by self.goodput
@@ -153,8 +155,12 @@ class Trainer:
         if f.hang_at_step is not None or f.hang_mtbf_seconds is not None:
             site = f.hang_site  # hang drills inside storage calls: reads of the data, writes of saves
             (data_store if site in ("storage_read", "dataloader") else self.ckpt_store).fault = self.faults
-        self.watchdog = Watchdog(tr.hang_timeout_s, d.init_timeout_s, d.rank, self.ckpt_store)
-        self.ckpt.progress = self.watchdog.doing  # a save begun is progress: it gets its own bound
+        compiling = tr.compile_timeout_s if tr.compile else 0.0  # the first step compiles too
+        self.watchdog = Watchdog(
+            tr.hang_timeout_s, d.init_timeout_s + compiling, d.rank, self.ckpt_store,
+            phase_timeout_s=tr.phase_timeout_s, compile_timeout_s=compiling,
+        )  # fmt: skip
+        self.ckpt.phase = self.watchdog.phase  # a blocking save: a phase with its own bound
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,

@@ -1,12 +1,14 @@
 """torch.compile for the trained model: compile in place, time it, keep its cache across restarts.
 
-- `compile_model` compiles the module the parallel strategy returned, in place (`nn.Module.compile`):
-  the state-dict keys stay those of the plain module (no `_orig_mod.` prefix), so a checkpoint of a
-  compiled run resumes uncompiled and back. Under DDP that module is the wrapper, as torch asks
-  (DDPOptimizer splits the graph at the bucket boundaries); under FSDP2 the root, whose hooks dynamo
-  runs eagerly (`torch._dynamo.config.skip_fsdp_hooks`).
+- The parallel strategy compiles the model it wrapped (`Single.compile` in goodput.parallel), in
+  place: the state-dict keys stay those of the plain module (no `_orig_mod.` prefix), so a
+  checkpoint of a compiled run resumes uncompiled and back. Under DDP the wrapper is compiled, as
+  torch asks (DDPOptimizer splits the graph at the bucket boundaries); under FSDP2 each unit's
+  `forward`, with FSDP's hooks outside the compiled code.
 - `CompileClock` tells the loop how many of the seconds it just timed were compiling (torch's own
   accounting of dynamo + inductor, forward and the lazily compiled backward): the ledger's `compile`.
+  Only real compilation counts: dynamo's time on frames that produced no graph (it fell back to
+  eager) stays in the step's time, and a first step that compiled nothing is warned about.
 - `CompileCache` keeps compiled code across restarts: inductor's cache directory on node-local disk
   (what makes a restart on the same node warm: on CPU the C++ kernels are built there) and torch's
   portable cache artifacts (`torch.compiler.save_cache_artifacts`) beside it, optionally uploaded
@@ -27,7 +29,6 @@ import os
 import time
 
 import torch
-from torch import nn
 
 from goodput.untrusted import UnsafePath, regular
 
@@ -36,16 +37,10 @@ log = logging.getLogger(__name__)
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Top-level entries of torch._dynamo.utils.compilation_time_metrics: a frame's compile (dynamo,
 # AOTAutograd, inductor's forward; recompiles too) and the backward graph, compiled on first use.
-TOP_LEVEL = ("_compile.compile_inner", "backward._backward_impl")
+FORWARD, BACKWARD = "_compile.compile_inner", "backward._backward_impl"
 MAGIC = b"goodput-compile-cache\n"
 ARTIFACTS = "artifacts.bin"  # torch's portable cache artifacts, in our envelope
 REMOTE = "compile_cache/artifacts.bin"  # beside the checkpoints, in the checkpoint storage
-
-
-def compile_model(model: nn.Module, mode: str, dynamic: bool | None) -> nn.Module:
-    """Compile `model` in place: its forward (and backward) compile on the first call."""
-    model.compile(mode=mode, dynamic=dynamic)
-    return model
 
 
 class CompileClock:
@@ -55,19 +50,30 @@ class CompileClock:
     def __init__(self, enabled: bool, cache: CompileCache | None = None):
         self.enabled, self.cache = enabled, cache
         self.total = 0.0  # this process
-        self._seen = self._now() if enabled else 0.0
+        self._seen = self._now() if enabled else (0.0, 0.0, 0)
+        self._start = self._seen[2]  # (torch's counters are the process's, from before this run)
+        self.graphs = 0  # graphs dynamo compiled since
+        self._first = True
 
     @staticmethod
-    def _now() -> float:
+    def _now() -> tuple[float, float, int]:
         from torch._dynamo.utils import compilation_time_metrics as m
+        from torch._dynamo.utils import counters
 
-        return sum(sum(m.get(k, ())) for k in TOP_LEVEL)
+        graphs = int(counters["stats"]["unique_graphs"])
+        return sum(m.get(FORWARD, ())), sum(m.get(BACKWARD, ())), graphs
 
     def take(self) -> float:
         if not self.enabled:
             return 0.0
-        now = self._now()
-        dt, self._seen = max(0.0, now - self._seen), now
+        (fwd, bwd, graphs), (fwd0, bwd0, graphs0) = self._now(), self._seen
+        self._seen = (fwd, bwd, graphs)
+        # dynamo's time on frames that compiled no graph is not compiling: they ran eagerly
+        dt = (max(0.0, fwd - fwd0) if graphs > graphs0 else 0.0) + max(0.0, bwd - bwd0)
+        self.graphs = graphs - self._start
+        if self._first and not self.graphs:
+            log.warning("trainer.compile: torch compiled no graph in the first step: the model runs eagerly")
+        self._first = False
         if dt > 0 and self.cache is not None:
             t0 = time.perf_counter()
             self.cache.save()
@@ -81,7 +87,7 @@ class CompileClock:
         if not self.enabled:
             return None
         return {"first_step_seconds": round(self.total, 4), "cache_artifacts_loaded": self.cache.loaded,
-                "cache_source": self.cache.source, **cache_counters()}  # fmt: skip
+                "cache_source": self.cache.source, "graphs": self.graphs, **cache_counters()}  # fmt: skip
 
 
 def cache_counters() -> dict:

@@ -124,12 +124,24 @@ class TrainerConfig:
     code that runs when loaded, so this trusts whoever can write the checkpoint dir."""
 
     hang_timeout_s: float = 300.0
-    """A rank that makes no progress (no step done, no save begun) for this long is hung: the
+    """A rank that makes no progress between steps (no step done) for this long is hung: the
     watchdog (goodput.resilience.watchdog) logs its rank, last step and every thread's Python stack,
-    then ends it, and the restart path takes over. Until the first step the bound is
-    parallel.init_timeout_s. Longer than the slowest step, evaluation and blocking save (waiting
-    for the previous dcp_async upload included), or one is cut short; the time from a hang to the
-    resumed run is about this plus a restart. 0 = off."""
+    then ends it, and the restart path takes over. Longer than the slowest step (its fetch and
+    logging included); the phases known to be long have their own bounds: until the first step
+    parallel.init_timeout_s, an evaluation pass or a blocking save phase_timeout_s, and with compile
+    compile_timeout_s more (docs/hangs.md). The time from a hang to the resumed run is about this
+    plus a restart. 0 = off (every phase's bound with it)."""
+
+    phase_timeout_s: float = 900.0
+    """The watchdog's bound on a known long phase after the first step: an evaluation pass (the
+    final one included), a blocking checkpoint save (waiting for the previous dcp_async upload
+    included) and the wait for the last upload after the loop. Longer than the slowest of them, or
+    it is ended as a hang; a hang inside one is caught after this long. Never below hang_timeout_s."""
+
+    compile_timeout_s: float = 1800.0
+    """With trainer.compile: added to the watchdog's bound of each phase that compiles, the first
+    step (parallel.init_timeout_s + this) and the first evaluation (phase_timeout_s + this) of each
+    process. A cold compile of a large model takes minutes (on CPU, inductor builds C++)."""
 
     straggler_factor: float = 1.5
     """Warn when the slowest rank's step time is over this factor x the median rank's (the lower
@@ -155,6 +167,9 @@ class TrainerConfig:
         e = []
         if self.hang_timeout_s < 0:
             e.append(f"trainer.hang_timeout_s must be >= 0 (0 = off), got {self.hang_timeout_s}")
+        for key in ("phase_timeout_s", "compile_timeout_s"):
+            if not getattr(self, key) > 0:
+                e.append(f"trainer.{key} must be > 0, got {getattr(self, key)}")
         if not self.straggler_factor > 1:
             e.append(f"trainer.straggler_factor must be > 1, got {self.straggler_factor}")
         if not (isinstance(self.straggler_windows, int) and self.straggler_windows >= 1):

@@ -93,10 +93,12 @@ def train(t) -> dict:
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
-            last_eval = evaluate(
-                t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
-            )
-            compiling = t.compile_clock.take()  # a compiled model compiles again for inference
+            # a phase with its own bound; the process's first evaluation compiles (inference graphs)
+            with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
+                last_eval = evaluate(
+                    t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
+                )
+                compiling = t.compile_clock.take()  # a compiled model compiles again for inference
             t.goodput.add("compile", compiling)
             t.goodput.add("eval", time.perf_counter() - te - compiling)
             val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)

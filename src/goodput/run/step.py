@@ -12,6 +12,7 @@ gradient-sync switch for accumulation and the gradient scaler, which are what di
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,8 @@ class Step:
         self.before_update, self.between_micro_steps = before_update, between_micro_steps
         self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
         self.last_grad_norm: torch.Tensor | None = None
+        self._stepped = False  # whether the optimizer ran in this step (the scaler may skip it)
+        optimizer.register_step_post_hook(self._optimizer_stepped)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         """One optimizer step on the rank's batch (x, y); `step` is the number of steps done before
@@ -120,11 +123,10 @@ class Step:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.last_grad_norm = clip_grad_norm(self.model.parameters(), self.opts.clip_grad_norm)
         self.before_update()  # an async save's copy must finish before parameters change
-        # (get_scale reads the scale tensor: one device sync per step, with fp16 only)
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self._stepped = False
         self.scaler.step(self.optimizer)  # fp16: skipped when a gradient is inf/nan
         self.scaler.update()
-        if scale is not None and self.scaler.get_scale() < scale:  # the scale backs off only on a skip
+        if not self._stepped:  # counted where it happens, not from the scale (a NaN one never drops)
             self.skipped_steps += 1
         self.scheduler.step()
         done = step + 1
@@ -155,13 +157,51 @@ class Step:
             return self.ema.module
         return self.model
 
+    def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
+        self._stepped = True
+
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd["scaler"]:  # {} when the scaler is disabled
+        """Checked before anything is applied: a bad value raises ValueError naming the field, and
+        the restore falls back to the previous commit (as for any state that does not load)."""
+        bad = scaler_state_errors(sd["scaler"]) if sd["scaler"] else []  # {}: the scaler is disabled
+        if not _count(sd.get("skipped_steps")):
+            bad.append(f"skipped_steps={sd.get('skipped_steps')!r} (an int >= 0)")
+        if bad:
+            raise ValueError("invalid training-step state: " + "; ".join(bad))
+        if sd["scaler"]:
             self.scaler.load_state_dict(sd["scaler"])
         self.skipped_steps = sd["skipped_steps"]
+
+
+def _real(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# GradScaler state field -> (valid?, what it must be). A NaN, infinite or non-positive scale makes
+# every step skip (a NaN one forever: it never backs off into range).
+SCALER_FIELDS = {
+    "scale": (lambda v: _real(v) and v > 0, "finite and > 0"),
+    "growth_factor": (lambda v: _real(v) and v > 1, "finite and > 1"),
+    "backoff_factor": (lambda v: _real(v) and 0 < v < 1, "in (0, 1)"),
+    "growth_interval": (lambda v: _count(v) and v >= 1, "an int >= 1"),
+    "_growth_tracker": (_count, "an int >= 0"),
+}
+
+
+def scaler_state_errors(sd: dict) -> list[str]:
+    """What is wrong with a GradScaler state dict read from a checkpoint, one entry per field."""
+    return [
+        f"scaler.{k}={sd.get(k)!r} (must be {why})"
+        for k, (ok, why) in SCALER_FIELDS.items()
+        if not ok(sd.get(k))
+    ]
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:

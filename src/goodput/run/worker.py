@@ -60,6 +60,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
+        t.watchdog.stop()  # training is over: the end of the run bounds its own waits (write_summary)
         result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
         summary = write_summary(t, result) if d.rank == 0 else None
         finished = True
@@ -119,7 +120,8 @@ def write_summary(t: Trainer, result: dict) -> dict:
     # The logged model's input example: two samples, since torch.export (MLflow's default format)
     # fixes a batch dimension of 1 to a constant
     example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
-    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.loader.num_classes)
+    bound = c.mlflow.artifact_timeout_s  # each upload to the artifact store: a store that hangs
+    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.loader.num_classes, bound)
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,
@@ -139,15 +141,19 @@ def write_summary(t: Trainer, result: dict) -> dict:
     atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=str).encode())
     t.tracker.log({f"goodput/{k}": v for k, v in goodput.items()}, result["steps"])
     t.tracker.log({"summary/val_accuracy": result["val_accuracy"] or 0.0}, result["steps"])
-    t.tracker.artifact(os.path.join(run_dir, "summary.json"))
     plot(goodput, os.path.join(run_dir, "goodput.png"))
-    t.tracker.artifact(os.path.join(run_dir, "goodput.png"))
+    files = [(os.path.join(run_dir, "summary.json"), None), (os.path.join(run_dir, "goodput.png"), None)]
     if ev is not None:  # the last evaluation: per-class table and confusion matrix
-        for path in write_report(ev, classes, os.path.join(run_dir, "evaluation")):
-            t.tracker.artifact(path, "evaluation")
+        files += [(p, "evaluation") for p in write_report(ev, classes, os.path.join(run_dir, "evaluation"))]
     hydra_dir = os.path.join(run_dir, ".hydra")
-    if os.path.isdir(hydra_dir):
-        t.tracker.artifacts(hydra_dir, "hydra")
+
+    def upload():
+        for path, folder in files:
+            t.tracker.artifact(path, folder)
+        if os.path.isdir(hydra_dir):
+            t.tracker.artifacts(hydra_dir, "hydra")
+
+    publish.bounded(upload, bound, "uploading the run's files to MLflow")
     return summary
 
 
