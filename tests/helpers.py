@@ -170,13 +170,13 @@ def process_state_kept():
         root.handlers[:] = saved[3]
 
 
-def run_job_here(root, *overrides):
+def run_job_here(root, *overrides, run_dir=None):
     """The job on experiment=smoke in this process (with the one_process fixture): prepare, then
-    launch one rank. Returns (summary, typed config)."""
+    launch one rank. Returns (summary, typed config). `run_dir`: the launch's (default <root>/run)."""
     from goodput.run import job, launch
 
     cfg = compose_train(["experiment=smoke", f"paths.root={root}", *overrides])
-    c, ctx, lock = job.prepare(cfg, str(Path(root) / "run"))
+    c, ctx, lock = job.prepare(cfg, str(run_dir or Path(root) / "run"))
     try:
         return launch.launch(c, ctx), c
     finally:

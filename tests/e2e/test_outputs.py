@@ -381,3 +381,41 @@ def test_a_search_objective_no_evaluation_logs_fails_before_any_trial():
     for bad in ("accuracy", "val/acc", "train/loss"):
         with pytest.raises(ValueError, match="hydra.sweeper.metric must be"):
             OptunaSweeper(metric=bad)
+
+
+def test_top_k_end_to_end_where_it_differs_from_top_1(smoke_reference):
+    """summary.json's val/top5 and val/accuracy are what the final weights score on val/, counted
+    here with torch.topk on the same pipeline, on a run where they differ (top-k computed as top-1,
+    or any k, would be caught: `top5 >= accuracy` alone lets that through)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from goodput.checkpoint.commits import Commits
+    from goodput.checkpoint.export import model_state
+    from goodput.config import validate
+    from goodput.data.loader import eval_loader
+    from goodput.model import SmallCNN
+    from goodput.storage.remote import Storage
+
+    s = smoke_reference("dcp_sync")
+    store = Storage(s["checkpoint_dir"])
+    model = SmallCNN(num_classes=10, width=32)
+    model.load_state_dict(model_state(store, Commits(store).committed()[0]))
+    model.eval()
+    root = Path(s["checkpoint_dir"]).parents[1]  # paths.root: <root>/checkpoints/<run>
+    c = validate(
+        OmegaConf.to_container(compose_train(["experiment=smoke", f"paths.root={root}"]), resolve=True)
+    )
+    hits = {1: 0, 5: 0}
+    n = 0
+    with torch.no_grad():
+        for batch in eval_loader(c.data, Storage(c.data.root), 16, 0, 1, torch.device("cpu"), c.augment):
+            keep = batch["label"] >= 0
+            logits, y = model(batch["image"][keep]), batch["label"][keep]
+            for k in hits:
+                hits[k] += int((logits.topk(k, dim=1).indices == y[:, None]).any(dim=1).sum())
+            n += len(y)
+    assert n == 40 and hits[5] > hits[1]  # a case where top-5 is not top-1
+    assert s["val"]["val/accuracy"] == hits[1] / n
+    assert s["val"]["val/top5"] == hits[5] / n

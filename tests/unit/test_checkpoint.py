@@ -11,6 +11,7 @@ from helpers import make_app, manager
 
 from goodput.checkpoint import BACKENDS, CheckpointConfig, CheckpointManager
 from goodput.model import model_sha256
+from goodput.run.monitor import Best, EarlyStopping
 from goodput.storage.remote import Storage
 
 
@@ -290,3 +291,34 @@ def test_advise_names_the_run_of_the_newest_intact_commit(tmp_path, dist1):
     (f,) = [p for p in (remote / "step-000000005").iterdir() if p.name not in ("COMMIT.json", "ranks")]
     f.unlink()
     assert run_id(str(remote)) == "a" * 32
+
+
+def _monitors():
+    return EarlyStopping(3, "val/loss", 0.01, None), Best("val/loss", None)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_early_stopping_resumes_part_way_to_its_patience(tmp_path, dist1, backend):
+    """Saved two evaluations into a patience of three, with a best value: the restored monitors are
+    the saved ones, and the next evaluation without an improvement stops both at the same step."""
+    es, best = _monitors()
+    for step, loss in enumerate([1.0, 0.8, 0.795, 0.85], start=1):  # 0.795 is within min_delta
+        es.update({"val/loss": loss}, step)
+        best.observe({"val/loss": loss}, step)
+    assert (es.bad, es.best, best.step, best.value) == (2, 0.8, 3, 0.795)
+    app, *_ = make_app(0)
+    app.register("early_stopping", es)
+    app.register("best", best)
+    mgr = manager(tmp_path, backend, dist1)
+    mgr.save(4, app)
+    mgr.wait()
+
+    es2, best2 = _monitors()
+    app2, *_ = make_app(1)
+    app2.register("early_stopping", es2)
+    app2.register("best", best2)
+    rec, skipped = mgr.restore(app2, mgr.committed())
+    mgr.close()
+    assert rec["step"] == 4 and skipped == []
+    assert es2.state_dict() == es.state_dict() and best2.state_dict() == best.state_dict()
+    assert es.update({"val/loss": 0.9}, 5) and es2.update({"val/loss": 0.9}, 5)

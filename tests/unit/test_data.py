@@ -15,6 +15,7 @@ from midwrite import kill_inside_the_write
 
 from goodput.data.dataset import BadSampleError, DataRootError
 from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader
+from goodput.data.sampler import StepBatchSampler
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
 from goodput.storage.local import TEMP_PREFIX
@@ -322,3 +323,82 @@ def test_s3_missing_object_is_file_not_found(data_root, s3_bucket):
     _upload(data_root, url)
     with pytest.raises(FileNotFoundError):
         Storage(url).read_bytes("train/no-such-file.jpg")
+
+
+class _RestartsItsEpoch(StepBatchSampler):
+    """The source article's bug, planted: on resume the sampler starts the epoch over."""
+
+    def __init__(self, order, rank, world, start, stop):
+        super().__init__(order, rank, world, order.epoch_of(start) * order.steps_per_epoch, stop)
+
+
+class _SkipsABatch(StepBatchSampler):
+    """A sampler that loses one batch after a resume: it serves the step after each step."""
+
+    def __init__(self, order, rank, world, start, stop):
+        super().__init__(order, rank, world, start, stop + 1)
+
+    def __iter__(self):
+        it = super().__iter__()
+        next(it)
+        yield from it
+
+
+@pytest.mark.parametrize(
+    "bug", [None, _RestartsItsEpoch, _SkipsABatch], ids=["clean", "restart-epoch", "skip"]
+)
+def test_the_order_hash_is_of_the_delivered_batches(data_root, tmp_path, reference, monkeypatch, bug):
+    """sample_order_sha256 hashes the indices the batches carried: a loader that restarts its epoch
+    on resume, or skips a batch, changes it (a hash of the intended order would not see either)."""
+    import goodput.data.loader as loader_module
+
+    ld = loader(data_root, tmp_path)
+    images(ld, 3)
+    sd = ld.state_dict()
+    ld.close()
+    if bug is not None:
+        monkeypatch.setattr(loader_module, "StepBatchSampler", bug)
+    ld = loader(data_root, tmp_path)
+    ld.load_state_dict(sd)
+    got = [next(ld) for _ in range(STEPS - 3)]
+    ld.close()
+    same_images = all(torch.equal(b["image"], r) for b, r in zip(got, reference[0][3:]))
+    assert same_images == (bug is None)  # the planted bugs do deliver other samples
+    assert (ld.chain.hexdigest == reference[1]) == (bug is None)
+
+
+def _order_rank(rank: int, port: int, root: str, cache: str, skip_on: int, out: str) -> None:
+    """One of two gloo ranks delivering its slices; `skip_on`: the rank whose sampler skips a batch."""
+    import torch.distributed as dist
+
+    import goodput.data.loader as loader_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == skip_on:
+        loader_module.StepBatchSampler = _SkipsABatch
+    ld = loader(root, f"{cache}/{rank}", rank=rank, world=2)
+    images(ld, STEPS - 1)
+    Path(out, f"chain{rank}").write_text(ld.chain.hexdigest)
+    ld.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip_on", [-1, 1], ids=["clean", "rank1-skips"])
+def test_two_ranks_hash_the_whole_delivered_batch(data_root, tmp_path, reference, skip_on):
+    """On 2 ranks every rank's chain is the one-process chain (the job's batches, gathered from
+    both ranks), and a batch lost on rank 1 alone changes rank 0's chain too."""
+    import torch.multiprocessing as mp
+
+    from goodput.data.sampler import OrderHash
+    from goodput.parallel import free_port
+
+    mp.spawn(_order_rank, args=(free_port(), data_root, str(tmp_path), skip_on, str(tmp_path)), nprocs=2)
+    chains = {(tmp_path / f"chain{r}").read_text() for r in range(2)}
+    ld = loader(data_root, tmp_path / "one")
+    want = OrderHash()
+    for step in range(STEPS - 1):
+        want.update(ld.order.global_batch(step))
+    ld.close()
+    assert chains == {want.hexdigest} if skip_on < 0 else want.hexdigest not in chains

@@ -240,7 +240,8 @@ def seeded(transform, img: torch.Tensor, seed: int) -> torch.Tensor:
 class ImageDataset(torch.utils.data.Dataset):
     """Map-style dataset keyed by (epoch, index) for training, index for eval.
 
-    Returns a dict with the image, the label and per-sample I/O counters (cache hit, bytes
+    Returns a dict with the image, the label, the sample's index (the sample-order hash chain is fed
+    from what was delivered, goodput.data.loader) and per-sample I/O counters (cache hit, bytes
     fetched, ok) so the training process can count what was *delivered*, across workers.
     Index -1 is padding (equal batch counts per rank): a zero image with label -1, ignored by the loss.
     """
@@ -263,14 +264,14 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def _blank(self, hit=0, nbytes=0, ok=0) -> dict:
+    def _blank(self, index: int, hit=0, nbytes=0, ok=0) -> dict:
         img = torch.zeros(3, self.image_size, self.image_size)
-        return {"image": img, "label": -1, "hit": hit, "bytes": nbytes, "ok": ok}
+        return {"image": img, "label": -1, "index": index, "hit": hit, "bytes": nbytes, "ok": ok}
 
     def __getitem__(self, key) -> dict:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         if index < 0:
-            return self._blank(ok=1)
+            return self._blank(index, ok=1)
         rel = self.files.files[index]
         try:
             data, hit, nbytes = self.source.read(rel)
@@ -280,7 +281,7 @@ class ImageDataset(torch.utils.data.Dataset):
             img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         except Exception as e:
             if self.on_bad_sample == "skip":
-                return self._blank(hit=int(hit), nbytes=nbytes, ok=0)
+                return self._blank(index, hit=int(hit), nbytes=nbytes, ok=0)
             raise BadSampleError(
                 f"cannot decode {self.source.storage.url(rel)} as an image ({e}); fix or remove the file, "
                 f"or set data.on_bad_sample=skip"
@@ -289,4 +290,5 @@ class ImageDataset(torch.utils.data.Dataset):
             x = seeded(self.transform, img, sample_seed(self.seed, epoch, index))
         else:
             x = self.transform(img)
-        return {"image": x, "label": self.files.labels[index], "hit": int(hit), "bytes": nbytes, "ok": 1}
+        label = self.files.labels[index]
+        return {"image": x, "label": label, "index": index, "hit": int(hit), "bytes": nbytes, "ok": 1}

@@ -2,7 +2,9 @@
 
 `ResumableLoader` is the one object the loop talks to: `next(loader)` gives the batch of the next
 step; `state_dict()` describes what was *delivered* (not what workers prefetched), so a checkpoint
-taken after step k resumes at step k+1 exactly, with any `data.num_workers`.
+taken after step k resumes at step k+1 exactly, with any `data.num_workers`. Its `chain` hashes the
+sample indices the job's batches actually carried (every rank's part), not the ones the order meant:
+a loader that restarted its epoch on resume or skipped a batch shows in `sample_order_sha256`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import sys
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
@@ -109,7 +112,8 @@ class ResumableLoader:
         self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
         self.seed = seed
         self.step = 0  # next step to deliver
-        self.chain = OrderHash()
+        self._chain = OrderHash()
+        self._delivered = None  # the newest batch's indices, being gathered from every rank
         self._it = None
         self.io = {
             "data/cache_hits": 0,
@@ -162,8 +166,10 @@ class ResumableLoader:
         if self._it is None:
             self._start()
         batch = next(self._it)
-        # Count what was delivered: this step is consumed only now.
-        self.chain.update(self.order.global_batch(self.step))
+        # Count what was delivered: this step is consumed only now, and the hash chain takes the
+        # indices the batch carries (gathered from every rank while the step computes).
+        self._settle()
+        self._delivered = _gather_indices(batch["index"], self.world)
         self.io["data/cache_hits"] += int(batch["hit"].sum())
         self.io["data/cache_misses"] += int((1 - batch["hit"]).sum())
         self.io["data/bytes_fetched"] += int(batch["bytes"].sum())
@@ -171,6 +177,28 @@ class ResumableLoader:
         self.step += 1
         self._prefetch()
         return batch
+
+    @property
+    def chain(self) -> OrderHash:
+        """The hash chain over the job's delivered sample indices, up to the newest delivered step."""
+        self._settle()
+        if self._chain is None:
+            raise RuntimeError(
+                f"this loader delivered rank {self.rank}'s slices of a world of {self.world} without "
+                "that process group: the job's delivered sample order is unknown"
+            )
+        return self._chain
+
+    def _settle(self) -> None:
+        if self._delivered is not None:
+            indices, work = self._delivered
+            if work is not None:
+                work.wait()
+            if indices is None or self._chain is None:  # no group to gather from (a loader of one
+                self._chain = None  # rank's slices built outside a job, as a test does)
+            else:
+                self._chain.update(indices)
+            self._delivered = None
 
     def stats(self) -> dict[str, float]:
         return {**self.io, **self.source.stats()}
@@ -208,8 +236,22 @@ class ResumableLoader:
                 f"the sample order would differ"
             )
         self.step = sd["step"]
-        self.chain = OrderHash(sd["sample_order_sha256"])
+        self._chain, self._delivered = OrderHash(sd["sample_order_sha256"]), None
         self._it = None
+
+
+def _gather_indices(mine: torch.Tensor, world: int):
+    """(the global batch's delivered indices in rank order, the pending gather or None). Ranks hold
+    equal contiguous slices of the global batch (goodput.data.sampler), so rank order is batch
+    order and the chain is the same on every world size. Asynchronous: it completes while the step
+    computes (on the CPU side of the default group: gloo)."""
+    mine = mine.to(torch.int64).contiguous()
+    if world == 1:
+        return mine, None
+    if not (dist.is_initialized() and dist.get_world_size() == world):
+        return None, None  # ResumableLoader.chain then says so when it is read
+    out = torch.empty(world * mine.numel(), dtype=torch.int64)
+    return out, dist.all_gather_into_tensor(out, mine, async_op=True)
 
 
 def eval_loader(
