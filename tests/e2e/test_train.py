@@ -128,6 +128,10 @@ def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
         ("parallel=fsdp parallel.nproc_per_node=1", "shards parameters: it needs more than one process"),
         ("parallel=ddp trainer.global_batch_size=15", "not divisible by the world size 2"),
         ("parallel=ddp parallel.nproc_per_node=64", "more processes than this machine can run"),
+        (
+            "parallel=hsdp parallel.nproc_per_node=4 parallel.oversubscribe=true parallel.shard_size=3",
+            "parallel.shard_size=3 does not divide the world size 4",
+        ),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path, override, message):

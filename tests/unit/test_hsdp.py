@@ -4,6 +4,7 @@ step and the checkpoint state on the 2-D mesh. The entry-point drills are in e2e
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -188,6 +189,21 @@ def _step_rank(rank: int, port: int, out: str) -> None:
     res["bf16_loss"] = step(_mine(x, rank), _mine(y, rank), 0)
     res["bf16_norm"] = step.last_grad_norm
     res["bf16_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+
+    # (d) the degenerate meshes: one group of 4 (fsdp's layout), 4 groups of 1 (ddp's), said in the log
+    notes = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logging.getLogger("goodput.parallel").addHandler(handler)
+    logging.getLogger("goodput.parallel").setLevel(logging.INFO)
+    for size in (WORLD, 1):
+        torch.manual_seed(0)
+        strategy = HSDP(size)
+        model = strategy.wrap(SmallCNN(num_classes=4, width=8), d)
+        step = _sgd_step(model, strategy, StepOptions(clip_grad_norm=1e-3))
+        step(_mine(x, rank), _mine(y, rank), 0)
+        res[f"norm_{size}"] = step.last_grad_norm
+    res["notes"] = notes
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -212,7 +228,8 @@ def test_hsdp_step_clips_by_the_unsharded_norm_syncs_once_and_skips_together(tmp
     counted once, not once per replica group), the trained weights match one process's to float
     rounding, no gradient is reduced before the last micro-step, the EMA is sharded like the model
     and reads back whole from its DCP shards, an inf in one rank's shard skips the fp16 step on
-    every rank, and bf16 parameters keep fp32 master weights and gradients."""
+    every rank, and bf16 parameters keep fp32 master weights and gradients. The degenerate meshes
+    (one group of 4, four groups of 1) clip by the same norm, and the log names their layout."""
     import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as mp
 
@@ -230,6 +247,13 @@ def test_hsdp_step_clips_by_the_unsharded_norm_syncs_once_and_skips_together(tmp
         assert g["fp16_unchanged"] and g["fp16_skipped"] == 1  # rank 3's inf skipped every rank's step
         assert g["bf16_dtypes"] == ["torch.float32"] and torch.isfinite(g["bf16_loss"])
         assert torch.allclose(g["bf16_norm"], norm, rtol=0.05), (g["bf16_norm"], norm)
+        assert torch.allclose(g["norm_4"], norm, rtol=1e-5) and torch.allclose(g["norm_1"], norm, rtol=1e-5)
+    mesh = "hsdp: {} replica group(s) x {} shard(s) (mesh replicate x shard): "
+    assert got[0]["notes"] == [
+        mesh.format(1, 4) + "one replica group, the layout of parallel=fsdp",
+        mesh.format(4, 1) + "shard_size 1, whole replicas on every rank, the layout of parallel=ddp",
+    ]
+    assert got[1]["notes"] == []  # rank 0 says it
     for k, v in weights.items():  # accumulation and the 2-level reduction: rounding only
         gap = ((got[0]["model"][k] - v).abs().max() / v.abs().max()).item()
         assert gap < 1e-5, (k, gap)
