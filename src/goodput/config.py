@@ -229,8 +229,10 @@ def validate(c: dict) -> Config:
             f"trainer.channels_last=true with parallel.strategy {name}: FSDP2 shards only contiguous "
             "parameters (torch 2.14); use parallel=ddp or single for channels_last"
         )
-    if strategy is not None:  # the ranks per node: the launcher's, or the ones this job starts
-        errors += strategy.layout_errors(world, int(os.environ.get("LOCAL_WORLD_SIZE", n)) if external else n)
+    if strategy is not None:  # ranks per node: the launcher's (all: one node), or the ones this job starts
+        errors += strategy.layout_errors(
+            world, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if external else n
+        )
     if strategy is not None and not strategy.distributed and world != 1:
         errors.append(
             f"parallel.strategy {name} runs one process, but the world size is {world}: "

@@ -256,8 +256,8 @@ class HSDP(FSDP):
         self.replica_pg = None  # this rank's replica group as a gloo group (device_mesh builds it)
 
     def group_size(self, world: int, local_world: int | None = None) -> int:
-        """Ranks per replica group: parallel.shard_size, else the ranks of one node (the launcher's
-        LOCAL_WORLD_SIZE, or `local_world`; one node when neither is known)."""
+        """Ranks per replica group: parallel.shard_size, else the ranks of one node (`local_world`,
+        or the launcher's LOCAL_WORLD_SIZE; all `world` ranks when neither is known)."""
         if self.shard_size is not None:
             return self.shard_size
         return local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -324,9 +324,9 @@ class ParallelConfig:
 
     shard_size: int | None = None
     """parallel=hsdp: ranks per replica group (the model is sharded over them; the world size must
-    be a multiple). null = the ranks of one node (the launcher's LOCAL_WORLD_SIZE, else
-    nproc_per_node): shard over the fast links inside a node, replicate across nodes. Equal to the
-    world size it is fsdp's layout, 1 ddp's. Only parallel=hsdp reads it."""
+    be a multiple). null = the ranks of one node (nproc_per_node, or an outside launcher's
+    LOCAL_WORLD_SIZE; without one, all ranks): shard over the fast links inside a node, replicate
+    across nodes. Equal to the world size it is fsdp's layout, 1 ddp's. Only parallel=hsdp reads it."""
 
     nproc_per_node: int = 1
     """Worker processes per node (GPUs per node on a cluster). Under an external launcher (torchrun,
