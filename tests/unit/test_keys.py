@@ -518,7 +518,7 @@ def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch,
     only_checked = {p: sorted(recorded.plumbing[p]) for p in f["dead"] if p in recorded.plumbing}
     assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])} ({only_checked=})"
     assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
-    assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED/PHASES no longer hold: {f['stale']}"
+    assert not f["stale"], f"{group}={option}: KNOWN_*/PHASES/SWITCHES no longer hold: {f['stale']}"
 
 
 def test_the_root_file_and_the_experiments(recorded, tmp_path, mlflow_uri, monkeypatch):
