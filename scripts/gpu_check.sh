@@ -8,6 +8,8 @@
 #   resume       a run killed at step 10 and relaunched == the uninterrupted run (model_sha256), dcp_async
 #   cuda_rng     the checkpoint of that run holds the CUDA RNG state, and it restores the generator
 #   compile      bf16 + trainer.compile on the entry point (bf16 where this checkout has trainer.precision)
+#   hsdp         4 GPUs: parallel=hsdp, 2 replica groups x 2 shards on NCCL, bf16, rank 3 killed at step 10
+#                -> elastic restart == the uninterrupted run (model_sha256); SKIP with fewer GPUs
 #   bench        scripts/bench_step.py: images/s per switch (resnet18 on GPU), compile restart cold vs warm
 #
 # Without CUDA it says so and runs what a CPU can (the entry-point checks, gloo); the CUDA-only ones
@@ -162,6 +164,31 @@ if train compile "${over[@]}"; then
   line PASS compile "$what: 12 steps, loss $loss, compile ${c} s"
 else
   line FAIL compile "exit $?: $(tail -1 "$OUT/compile.log")"
+fi
+
+# -- hsdp (needs 4 GPUs: 2 replica groups x 2 shards) -------------------------------------------------
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+if [ "${NGPU:-0}" -ge 4 ]; then
+  hsdp=(parallel=hsdp parallel.nproc_per_node=4 parallel.shard_size=2 checkpoint=dcp_sync)
+  [ "$has_precision" = 1 ] && hsdp+=(trainer.precision=bf16-mixed)
+  train hsdp_ref "${hsdp[@]}"
+  rc_ref=$?
+  train hsdp_kill "${hsdp[@]}" parallel.max_restarts=1 fault.kill_at_step=10 fault.rank=3
+  rc_kill=$?
+  if [ $rc_ref -ne 0 ] || [ $rc_kill -ne 0 ]; then
+    line FAIL hsdp "exits: uninterrupted $rc_ref, killed + restarted $rc_kill; see $OUT/hsdp_*.log"
+  elif ! grep -q "hsdp: 2 replica group(s) x 2 shard(s)" "$OUT/hsdp_ref.log"; then
+    line FAIL hsdp "no 2 x 2 mesh reported in $OUT/hsdp_ref.log"
+  else
+    a=$(summary hsdp_ref "s['model_sha256']")
+    b=$(summary hsdp_kill "s['model_sha256']")
+    from=$(summary hsdp_kill "s['resumed_from_steps']")
+    if [ "$a" = "$b" ] && [ "$from" = "[8]" ]; then
+      line PASS hsdp "2 groups x 2 shards, rank 3 killed, resumed from $from, model_sha256 ${a:0:12} == uninterrupted"
+    else line FAIL hsdp "model_sha256 ${b:0:12} vs uninterrupted ${a:0:12}, resumed from $from ([8] expected)"; fi
+  fi
+else
+  line SKIP hsdp "needs 4 GPUs (2 replica groups x 2 shards), this machine has ${NGPU:-0}; CPU drills: tests/e2e/test_hsdp_runs.py"
 fi
 
 # -- bench ------------------------------------------------------------------------------------------

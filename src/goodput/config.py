@@ -289,10 +289,13 @@ def validate(c: dict) -> Config:
     external = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else n
     if not external and n >= 1:
-        limit = torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
-        if n > limit:
+        cuda = torch.cuda.is_available()
+        limit = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+        shared = par["oversubscribe"] and not cuda  # CPU processes may share cores; GPUs may not
+        if n > limit and not shared:
             errors.append(
-                f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit})"
+                f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit}"
+                + (" GPUs)" if cuda else " CPUs; parallel.oversubscribe=true runs them anyway, slower)")
             )
     # What the strategy class says it does, not its name: a subclass of your own is checked alike.
     strategy, name = built.get("parallel"), par["strategy"]["_target_"]
@@ -303,6 +306,10 @@ def validate(c: dict) -> Config:
         errors.append(
             f"trainer.channels_last=true with parallel.strategy {name}: FSDP2 shards only contiguous "
             "parameters (torch 2.14); use parallel=ddp or single for channels_last"
+        )
+    if strategy is not None:  # ranks per node: the launcher's (all: one node), or the ones this job starts
+        errors += strategy.layout_errors(
+            world, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if external else n
         )
     if strategy is not None and not strategy.distributed and world != 1:
         errors.append(

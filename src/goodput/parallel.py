@@ -159,6 +159,26 @@ class Single:
     def grad_scaler(self, device: torch.device, enabled: bool):
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
+    def layout_errors(self, world: int, local_world: int) -> list[str]:
+        """What keeps this strategy from running `world` ranks, `local_world` of them per node:
+        one message per problem, naming the key (goodput.config.validate, before any work)."""
+        return []
+
+    # -- replica groups: which ranks hold a whole copy of the training state (no collective) ----
+    def replica_group(self, rank: int, world: int) -> list[int]:
+        """The ranks that together hold one whole copy of the model and optimizer state, `rank`
+        among them: the rank alone where every rank holds all of it (single, ddp)."""
+        return [rank]
+
+    def replica_groups(self, world: int) -> list[list[int]]:
+        """Every replica group, lowest ranks first; each rank is in exactly one."""
+        return [g for r in range(world) if (g := self.replica_group(r, world))[0] == r]
+
+    def whole_replica(self, alive, world: int) -> list[int] | None:
+        """The first replica group whose ranks are all in `alive`: the job's state survives there
+        whole, and writing that group's state (its shards) saves all of it. None: no group is whole."""
+        return next((g for g in self.replica_groups(world) if set(g) <= set(alive)), None)
+
 
 class DDP(Single):
     """A full replica per process; gradients all-reduced in the backward of the last micro-step."""
@@ -179,12 +199,23 @@ class FSDP(Single):
 
     distributed = True
     shards_parameters = True
+    _mesh = None  # built once (model and EMA share it): see device_mesh
+
+    def device_mesh(self, d: Dist):
+        """The ranks the parameters are sharded over: all of them, a 1-D mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(d.device.type, (d.world,))
+        return self._mesh
+
+    def replica_group(self, rank: int, world: int) -> list[int]:
+        return list(range(world))  # every rank holds a shard of the one copy
 
     def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(d.device.type, (d.world,))
+        mesh = self.device_mesh(d)
         reduce = torch.float32 if param_dtype is not None else None
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
         for unit in shard_units(model):
@@ -226,6 +257,80 @@ class FSDP(Single):
         return ShardedGradScaler(device.type, enabled=enabled)
 
 
+class HSDP(FSDP):
+    """Hybrid sharding: FSDP2 inside each replica group of `shard_size` consecutive ranks (one node
+    by default), a whole replica per group. A 2-D mesh (replicate, shard): rank r sits at
+    (r // shard_size, r % shard_size). Parameters, gradients and optimizer state are DTensors
+    placed (Replicate(), Shard(0)); gradients are reduce-scattered inside the group (the fast
+    intra-node links), then all-reduced between groups over the slower network, one shard each.
+
+    Everything else is FSDP's (gradient-sync switch, sharded grad scaler, mixed precision, EMA
+    sharded like the model). DCP saves each shard once: the replicas' copies carry the same chunk
+    index and its planner keeps one of them."""
+
+    def __init__(self, shard_size: int | None = None):
+        """`shard_size`: parallel.shard_size (ranks per replica group); None: the ranks of one node."""
+        if shard_size is not None and (isinstance(shard_size, bool) or shard_size < 1):
+            raise ValueError(f"parallel.shard_size must be >= 1 or null, got {shard_size!r}")
+        self.shard_size = shard_size
+        self.replica_pg = None  # this rank's replica group as a gloo group (device_mesh builds it)
+
+    def group_size(self, world: int, local_world: int | None = None) -> int:
+        """Ranks per replica group: parallel.shard_size, else the ranks of one node (`local_world`,
+        or the launcher's LOCAL_WORLD_SIZE; all `world` ranks when neither is known)."""
+        if self.shard_size is not None:
+            return self.shard_size
+        return local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+    def layout_errors(self, world: int, local_world: int) -> list[str]:
+        size = self.group_size(world, local_world)
+        if world % size == 0:
+            return []
+        what = "" if self.shard_size is not None else f" (null: the {size} ranks of one node)"
+        return [f"parallel.shard_size={size}{what} does not divide the world size {world}: hsdp "
+                f"needs whole replica groups (world size = replicas x parallel.shard_size)"]  # fmt: skip
+
+    def replica_group(self, rank: int, world: int) -> list[int]:
+        size = self.group_size(world)
+        return list(range(rank - rank % size, rank - rank % size + size))
+
+    def shard_peers(self, rank: int, world: int) -> list[int]:
+        """The ranks holding the same shard as `rank`, one per replica group: its gradients are
+        all-reduced among them (a column of the mesh; the replica group is its row)."""
+        return list(range(rank % self.group_size(world), world, self.group_size(world)))
+
+    def device_mesh(self, d: Dist):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._mesh is not None:
+            return self._mesh
+        size = self.group_size(d.world)
+        if d.world % size:  # compose time refuses this (validate); an outside launcher can still differ
+            raise ValueError(self.layout_errors(d.world, size)[0])
+        shape = (d.world // size, size)
+        self._mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        # One gloo group per replica group, made now while every rank is alive (making a group is a
+        # collective): the group's own channel for checkpoint I/O, which a failure elsewhere leaves whole.
+        timeout = timedelta(seconds=d.init_timeout_s)
+        for group in self.replica_groups(d.world):
+            pg = dist.new_group(group, backend="gloo", timeout=timeout)
+            if d.rank in group:
+                self.replica_pg = pg
+        if d.rank == 0:
+            log.info("hsdp: %d replica group(s) x %d shard(s) (mesh replicate x shard)%s", *shape,
+                     _DEGENERATE.get((shape[0] == 1, size == 1), ""))  # fmt: skip
+        return self._mesh
+
+
+# A mesh with one dimension of size 1: allowed (an elastic relaunch on fewer nodes, or nodes with
+# one GPU, lead there), and said: the layout is another strategy's, run through FSDP2.
+_DEGENERATE = {
+    (True, False): ": one replica group, the layout of parallel=fsdp",
+    (False, True): ": shard_size 1, whole replicas on every rank, the layout of parallel=ddp",
+    (True, True): ": one rank",
+}
+
+
 @dataclass
 class ParallelConfig:
     """Schema of the `parallel` group: how many processes, and how the model is spread over them."""
@@ -233,12 +338,25 @@ class ParallelConfig:
     strategy: Any = MISSING
     """A `_target_` node (the strategy class, built with hydra.utils.instantiate), one option file
     each: `single` (goodput.parallel.Single, one process), `ddp` (DDP, a full replica per process,
-    gradients all-reduced) or `fsdp` (FSDP, parameters, gradients and optimizer state sharded: less
-    memory per process, more communication); or a subclass of Single of your own."""
+    gradients all-reduced), `fsdp` (FSDP, parameters, gradients and optimizer state sharded: less
+    memory per process, more communication) or `hsdp` (HSDP: sharded inside replica groups of
+    parallel.shard_size ranks, replicated across them); or a subclass of Single of your own."""
+
+    shard_size: int | None = None
+    """parallel=hsdp: ranks per replica group (the model is sharded over them; the world size must
+    be a multiple). null = the ranks of one node (nproc_per_node, or an outside launcher's
+    LOCAL_WORLD_SIZE; without one, all ranks): shard over the fast links inside a node, replicate
+    across nodes. Equal to the world size it is fsdp's layout, 1 ddp's. Only parallel=hsdp reads it."""
 
     nproc_per_node: int = 1
     """Worker processes per node (GPUs per node on a cluster). Under an external launcher (torchrun,
     srun) its WORLD_SIZE is used instead."""
+
+    oversubscribe: bool = False
+    """CPU only: allow more worker processes per node than CPU cores (they share the cores, each
+    slower), for trying multi-rank layouts on a small machine (parallel=hsdp on 4 ranks on 2 cores).
+    false: nproc_per_node above the CPU count is refused before any work. No effect on GPUs, where
+    the limit is the number of GPUs."""
 
     max_restarts: int = 0
     """> 0: run under the elastic agent, which restarts all workers from the newest commit when one

@@ -7,16 +7,22 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import FORGET_WEIGHTS, REPO, TRAIN, latest_summary, run_train
-
-from goodput.parallel import without_launcher_env
+from helpers import (
+    FORGET_WEIGHTS,
+    REPO,
+    TRAIN,
+    WEIGHT_RTOL,
+    final_weights,
+    latest_summary,
+    run_nodes,
+    run_train,
+    weight_gap,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -93,42 +99,6 @@ def test_elastic_restart_after_worker_sigkill(tmp_path, ddp_reference):
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]
 
 
-def final_weights(ckpt_dir) -> dict[str, torch.Tensor]:
-    """The model tensors of the newest committed checkpoint in `ckpt_dir`, read back from disk."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from goodput.checkpoint.backends import SafeFileSystemReader
-    from goodput.checkpoint.layout import local_commits
-
-    newest = Path(local_commits(ckpt_dir)[-1][1])
-    if (newest / "state.pt").exists():
-        return torch.load(newest / "state.pt", weights_only=True)["model"]
-    reader = SafeFileSystemReader(str(newest))
-    md = reader.read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in md.items()
-        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return {k[len("model.") :]: v for k, v in sd.items()}
-
-
-# Resuming on another world size sums the same gradients in another order (one rank's mean of 16
-# vs the mean of two ranks' means of 8): float rounding, nothing else. After 12 steps the weights
-# differed from the 2-rank reference by 1.7e-7 to 3.7e-7 relative (measured on the four cases
-# below); a resume that loaded no weights (fresh init at step 8, the negative control
-# test_weight_check_rejects_a_resume_that_loaded_no_weights) by 1.8.
-WEIGHT_RTOL = 1e-4
-
-
-def weight_gap(a: dict, b: dict) -> float:
-    """Largest difference over all tensors, relative to that tensor's largest magnitude."""
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a)
-
-
 @pytest.mark.parametrize(
     "first, second, backend",
     [
@@ -186,27 +156,7 @@ def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, two_rank
 
 
 def test_two_node_rendezvous_on_one_machine(tmp_path, ddp_reference):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = without_launcher_env(None, "MLFLOW_TRACKING_URI")
-    run_dir = tmp_path / "runs" / "two-node"
-    procs = []
-    for _node in range(2):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "goodput-test",
-            TRAIN, "experiment=smoke", "parallel=ddp", "checkpoint=dcp_sync", f"paths.root={tmp_path}",
-            f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    s = json.loads((run_dir / "summary.json").read_text())
+    s, _ = run_nodes(tmp_path, tmp_path / "runs" / "two-node", "parallel=ddp", "checkpoint=dcp_sync")
     assert s["world_size"] == 2
     assert s["model_sha256"] == ddp_reference["model_sha256"]
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]

@@ -131,6 +131,8 @@ def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
         # #34: both failed after the demo data was made (the optimizer's traceback, the build's check)
         ("optim.optimizer.lr=-0.1 checkpoint.keep_best_by=val/top5 demo_data.num_classes=3",
          "optim.optimizer.lr=-0.1: Invalid learning rate | checkpoint.keep_best_by=val/top5: with 3 classes"),
+        ("parallel=hsdp parallel.nproc_per_node=4 parallel.oversubscribe=true parallel.shard_size=3",
+         "parallel.shard_size=3 does not divide the world size 4"),
     ],
 )  # fmt: skip
 def test_bad_config_fails_before_work(tmp_path, override, message):

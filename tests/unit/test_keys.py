@@ -30,6 +30,8 @@ Not reads (plumbing), each for the reason given where it is excluded:
 - reads by third-party frames and by a dataclass's generated methods (__repr__, __eq__);
 - reading a whole node (not a key): it only makes a `_target_` node's arguments count;
 - rule (b) skips Hydra's meta keys (`_target_`, `_partial_`): instantiate's, not a component's.
+A switch whose one effect is to let a config through a check (SWITCHES: parallel.oversubscribe) is
+read by validation only, by definition: the table says so, and the test asserts it exactly.
 
 Limits: a read is not an effect. A key read and then handed to code that ignores it counts as
 consumed (data.prefetch_steps under data=remote: the loader computes a look-ahead that
@@ -423,10 +425,21 @@ def mlflow_uri(tmp_path_factory):
 
 # -- what the current code does: found by this test, asserted exactly ------------------------------
 # A key that no code reads under these options. Remove an entry when the key goes or gets read.
-KNOWN_DEAD: dict[tuple, set[str]] = {}  # key path -> the options under which nothing reads it
+KNOWN_DEAD: dict[tuple, set[str]] = {  # key path -> the options under which nothing reads it
+    # the ranks per replica group of parallel=hsdp (interpolated into its strategy node): the other
+    # strategies have no replica groups to size
+    ("parallel", "shard_size"): {"single", "ddp", "fsdp"},
+}
 
 # A key read by more than one component today: the components found (a subset of these) and why.
 KNOWN_SHARED: dict[tuple, set[str]] = {}
+
+# Switches whose one effect is to let a config through a check that would refuse it: validation
+# reads them and nothing else may (asserted exactly, under every option, so the table stays true).
+SWITCHES = {
+    # more worker processes than CPU cores (4-rank layouts tried on a 2-core machine)
+    ("parallel", "oversubscribe"): {"goodput.config"},
+}
 
 # Keys that several phases of the runner read (one component: not a finding), asserted exactly so
 # that the list stays true: the modules, and why each needs it.
@@ -458,7 +471,7 @@ def findings(keys: list[tuple], option: str, c: dict, rec: Recorder, derived: di
     """What breaks the rules for these keys under one option: dead keys, keys with several readers
     beyond KNOWN_SHARED, and KNOWN_* entries that no longer hold (so the tables cannot go stale)."""
     use = Consumption(c, rec, derived)
-    dead = {p for p in keys if not use.consumed(p)}
+    dead = {p for p in keys if not use.consumed(p) and p not in SWITCHES}
     expected_dead = {p for p, opts in KNOWN_DEAD.items() if p in keys and option in opts}
     shared, stale = {}, []
     for p in keys:
@@ -478,6 +491,9 @@ def findings(keys: list[tuple], option: str, c: dict, rec: Recorder, derived: di
         elif len(who) > 1:
             shared[p] = who
     stale += [("no longer dead", p) for p in expected_dead - dead]
+    for p in SWITCHES.keys() & set(keys):
+        if use.consumers(p) or rec.plumbing.get(p, set()) != SWITCHES[p]:
+            stale.append(("switch read", p, use.consumers(p), rec.plumbing.get(p, set())))
     return {"dead": dead - expected_dead, "shared": shared, "stale": stale}
 
 
@@ -491,7 +507,7 @@ def test_every_key_has_one_consumer(recorded, tmp_path, mlflow_uri, monkeypatch,
     only_checked = {p: sorted(recorded.plumbing[p]) for p in f["dead"] if p in recorded.plumbing}
     assert not f["dead"], f"{group}={option}: keys nothing reads: {sorted(f['dead'])} ({only_checked=})"
     assert not f["shared"], f"{group}={option}: keys read by several components: {f['shared']}"
-    assert not f["stale"], f"{group}={option}: KNOWN_DEAD/KNOWN_SHARED/PHASES no longer hold: {f['stale']}"
+    assert not f["stale"], f"{group}={option}: KNOWN_*/PHASES/SWITCHES no longer hold: {f['stale']}"
 
 
 def test_the_root_file_and_the_experiments(recorded, tmp_path, mlflow_uri, monkeypatch):
@@ -561,7 +577,7 @@ def test_a_dead_key_and_a_second_reader_are_caught(recorded, tmp_path, mlflow_ur
 def test_the_tables_name_schema_keys():
     """A KNOWN_* entry for a key that no schema has any more (renamed, moved into another node) is
     stale: remove it."""
-    for path in [*KNOWN_DEAD, *KNOWN_SHARED, *PHASES]:
+    for path in [*KNOWN_DEAD, *KNOWN_SHARED, *PHASES, *SWITCHES]:
         if len(path) == 1:
             assert path in ROOT_KEYS, f"{path[0]}: not a key of conf/train.yaml"
             continue

@@ -143,8 +143,9 @@ class CheckpointManager:
         self._finish_pending()  # one save in flight at most
         self._last_save_time = time.monotonic()
         local = os.path.join(self.cfg.staging_dir, step_dir(step))
-        shutil.rmtree(local, ignore_errors=True)
-        os.makedirs(local, exist_ok=True)
+        if self.local_rank == 0:  # one per node: a peer's rmtree between another's mkdir and its
+            shutil.rmtree(local, ignore_errors=True)  # isdir check fails makedirs (seen on 4 ranks);
+            os.makedirs(local, exist_ok=True)  # nobody writes into it before the collective below
         prep_error = None
         if self.rank == 0:
             try:
