@@ -21,8 +21,6 @@ from omegaconf import DictConfig  # noqa: E402
 
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
-from goodput.run.job import AlreadyDone, prepare  # noqa: E402
-from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -31,6 +29,10 @@ CONF = str(Path(__file__).resolve().parent.parent / "conf")
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Returns the value of the metric an hparams search optimizes (hydra.sweeper.metric), if any."""
+    # Here, not at the top: `--help` and `--cfg` compose the config without importing torch or mlflow.
+    from goodput.run.job import AlreadyDone, prepare
+    from goodput.run.launch import RendezvousUnreachable, launch
+
     hc = HydraConfig.get()
     suffix = None
     if hc.mode == RunMode.MULTIRUN:

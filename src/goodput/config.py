@@ -1,4 +1,5 @@
-"""The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
+"""The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`
+(by `register`, which Hydra calls through the hydra_plugins.goodput_config plugin module).
 
 Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
 goodput.data.augment, goodput.run.config, goodput.parallel, goodput.resilience.fault,
@@ -17,7 +18,6 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import MISSING
@@ -154,12 +154,14 @@ class Config:
 
 
 def register() -> None:
+    """What Hydra must know before it composes conf/: each group's schema, stored as `<group>/base`
+    in the ConfigStore (the option files start from it: `defaults: [base]`). Called
+    by hydra_plugins.goodput_config, which Hydra imports while it discovers plugins, before any
+    compose: scripts/train.py, `--help`, and the compose API in a notebook or a test that imported
+    nothing of goodput alike. Idempotent (Hydra may scan more than once)."""
     cs = ConfigStore.instance()
     for group, schema in SCHEMAS.items():
         cs.store(group=group, name="base", node=schema)
-
-
-register()  # importing goodput.config is what makes `defaults: [base]` resolvable
 
 
 def build(schema, node: dict, key: str):
@@ -211,6 +213,8 @@ def validate(c: dict) -> Config:
     external = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else n
     if not external and n >= 1:
+        import torch  # here: importing this module (every compose, `--help`) must not cost torch's import
+
         limit = torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
         if n > limit:
             errors.append(
