@@ -20,8 +20,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
+from goodput import options
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
@@ -153,15 +154,25 @@ class Config:
     mlflow: MlflowConfig
 
 
+# OmegaConf resolvers the config files use, by name. A resolver's function must live in a module as
+# light as this one (no torch, no mlflow at import; tests/unit/test_config.py checks): every compose
+# imports it.
+RESOLVERS = {
+    "goodput.options": options.listing,  # `--help`'s list of options (conf/hydra/default.yaml)
+}
+
+
 def register() -> None:
     """What Hydra must know before it composes conf/: each group's schema, stored as `<group>/base`
-    in the ConfigStore (the option files start from it: `defaults: [base]`). Called
+    in the ConfigStore (the option files start from it: `defaults: [base]`), and RESOLVERS. Called
     by hydra_plugins.goodput_config, which Hydra imports while it discovers plugins, before any
     compose: scripts/train.py, `--help`, and the compose API in a notebook or a test that imported
     nothing of goodput alike. Idempotent (Hydra may scan more than once)."""
     cs = ConfigStore.instance()
     for group, schema in SCHEMAS.items():
         cs.store(group=group, name="base", node=schema)
+    for name, fn in RESOLVERS.items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
 
 
 def build(schema, node: dict, key: str):
