@@ -26,7 +26,7 @@ assert not [m for m in sys.modules if m.split(".")[0] in ("goodput", "hydra_plug
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["fault.kill_at_step=3", "checkpoint=torch_save"])
 print(cfg.fault.kill_at_step, cfg.checkpoint.every_n_steps, cfg.checkpoint.backend._target_)
-print(sorted(m for m in ("torch", "mlflow", "torchvision") if m in sys.modules))
+print(sorted(m for m in ("torch", "mlflow", "torchvision", "optuna") if m in sys.modules))
 """
 
 
