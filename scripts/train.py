@@ -16,24 +16,27 @@ if __name__ == "__mp_main__" and os.environ.get(HELPER_ENV):  # a helper the loo
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.errors import CompactHydraException  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
-from goodput.run.job import AlreadyDone, prepare  # noqa: E402
-from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Returns the value of the metric an hparams search optimizes (hydra.sweeper.metric), if any."""
+def main(cfg: DictConfig) -> dict | None:
+    """Returns the run's summary (the Optuna sweeper reads its objective, hydra.sweeper.metric, there)."""
+    # Here, not at the top: `--help` and `--cfg` compose the config without importing torch or mlflow.
+    from goodput.run.job import AlreadyDone, prepare
+    from goodput.run.launch import RendezvousUnreachable, launch
+
     hc = HydraConfig.get()
-    suffix = None
-    if hc.mode == RunMode.MULTIRUN:
+    sweep, suffix = hc.mode == RunMode.MULTIRUN, None
+    if sweep:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
         c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
@@ -41,13 +44,11 @@ def main(cfg: DictConfig) -> float | None:
         log.info("%s", e)
         return
     except (UserError, FileNotFoundError, FileExistsError, RunLocked) as e:
-        log.error("%s", e)
-        sys.exit(2)
+        refuse(e, sweep)
     try:
         summary = launch(c, ctx)
     except (RendezvousUnreachable, UserError) as e:  # a data or store refusal: one line, exit 2
-        log.error("%s", e)
-        sys.exit(2)
+        refuse(e, sweep)
     finally:
         if lock is not None:
             lock.release()
@@ -61,10 +62,23 @@ def main(cfg: DictConfig) -> float | None:
         )
         log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
         log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
-        metric = hc.sweeper.get("metric")  # the Optuna sweeper's objective (hparams_search=...)
-        if metric is not None:
-            return (summary.get("val") or {}).get(metric)
-    return None
+    return summary
+
+
+class JobRefused(CompactHydraException):
+    """A refusal in a sweep's job: Hydra prints its message alone, no traceback."""
+
+
+def refuse(e: Exception, sweep: bool):
+    """A refusal the user must fix: one line, exit 2. In a sweep (-m, a search) it raises instead:
+    a SystemExit would escape Hydra's job runner and end the whole sweep, an exception fails this
+    job only. The Optuna sweeper records a failed trial and goes on; the basic sweeper runs the
+    other jobs, then exits 1 with this line (Hydra's rule for a failed job)."""
+    log.error("%s", e)
+    if sweep:
+        job = HydraConfig.get().job
+        raise JobRefused(f"job {job.num} ({job.override_dirname}): {e}") from e
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`.
+"""The config's schema: one dataclass per group, registered in Hydra's ConfigStore as `<group>/base`
+(by `register`, which Hydra calls through the hydra_plugins.goodput_config plugin module).
 
 Each schema lives beside the component that reads it (goodput.checkpoint.config, goodput.data.config,
 goodput.data.augment, goodput.run.config, goodput.parallel, goodput.resilience.fault,
@@ -18,11 +19,11 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
+from goodput import options
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
@@ -156,13 +157,25 @@ class Config:
     mlflow: MlflowConfig
 
 
+# OmegaConf resolvers the config files use, by name. A resolver's function must live in a module as
+# light as this one (no torch, no mlflow at import; tests/unit/test_config.py checks): every compose
+# imports it.
+RESOLVERS = {
+    "goodput.options": options.listing,  # `--help`'s list of options (conf/hydra/default.yaml)
+}
+
+
 def register() -> None:
+    """What Hydra must know before it composes conf/: each group's schema, stored as `<group>/base`
+    in the ConfigStore (the option files start from it: `defaults: [base]`), and RESOLVERS. Called
+    by hydra_plugins.goodput_config, which Hydra imports while it discovers plugins, before any
+    compose: scripts/train.py, `--help`, and the compose API in a notebook or a test that imported
+    nothing of goodput alike. Idempotent (Hydra may scan more than once)."""
     cs = ConfigStore.instance()
     for group, schema in SCHEMAS.items():
         cs.store(group=group, name="base", node=schema)
-
-
-register()  # importing goodput.config is what makes `defaults: [base]` resolvable
+    for name, fn in RESOLVERS.items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
 
 
 def build(schema, node: dict, key: str):
@@ -216,6 +229,8 @@ def optim_errors(optim: dict) -> list[str]:
     own checks (a negative learning rate, betas out of range, a schedule that divides by zero) fail
     now, naming the key, not after the data is made. Only the errors those checks raise count
     (ValueError, ArithmeticError): an optimizer of your own that needs the real model is built later."""
+    import torch  # here, as in validate: composing the config must not import torch
+
     param = torch.nn.Parameter(torch.zeros(1))
 
     def optimizer(node):
@@ -289,6 +304,8 @@ def validate(c: dict) -> Config:
     external = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if external else n
     if not external and n >= 1:
+        import torch  # here: importing this module (every compose, `--help`) must not cost torch's import
+
         cuda = torch.cuda.is_available()
         limit = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
         shared = par["oversubscribe"] and not cuda  # CPU processes may share cores; GPUs may not

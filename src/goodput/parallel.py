@@ -12,15 +12,18 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
 from omegaconf import MISSING
-from torch import nn
 
-from goodput.model import shard_units
 from goodput.resilience.accounting import restart_round
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch is imported where it is used: ParallelConfig, the schema below, is imported whenever Hydra
+# composes the config (`--help`, the compose API), which must not pay seconds for torch.
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Di
     the first step are slow; `set_collective_timeout` shortens it once training runs). On CUDA,
     NCCL's Flight Recorder keeps the last collectives of each rank and, when one times out, dumps
     them to `<trace_dir>/rank_<r>` (read them with `python -m torch.distributed.flight_recorder.fr_trace`)."""
+    import torch
+    import torch.distributed as dist
+
     cuda = torch.cuda.is_available()
     if cuda and trace_dir:
         flight_recorder_env(trace_dir)
@@ -83,6 +89,8 @@ def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Di
 def set_collective_timeout(seconds: float) -> None:
     """After the first step: a collective on the training group that waits longer than this for a
     peer fails (a hung or dead rank then costs seconds, not gloo's 30 min default)."""
+    import torch.distributed as dist
+
     dist.set_timeout(timedelta(seconds=seconds))
 
 
@@ -100,6 +108,8 @@ def _store(rank: int, world: int, timeout_s: float):
     """The env:// store, with keys prefixed by the elastic restart count. The elastic agent keeps
     one store for the whole job; without a prefix, workers of restart k read the addresses that the
     dead workers of restart k-1 published there and hang connecting to them."""
+    import torch.distributed as dist
+
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -121,6 +131,8 @@ def free_port() -> int:
 
 
 def shutdown_distributed() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -157,6 +169,8 @@ class Single:
         return model
 
     def grad_scaler(self, device: torch.device, enabled: bool):
+        import torch
+
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
     def layout_errors(self, world: int, local_world: int) -> list[str]:
@@ -186,8 +200,10 @@ class DDP(Single):
     distributed = True
 
     def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
         ids = [d.local_rank] if d.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return DistributedDataParallel(model, device_ids=ids)
 
     def no_sync(self, model: nn.Module):
         return model.no_sync()
@@ -213,7 +229,10 @@ class FSDP(Single):
         return list(range(world))  # every rank holds a shard of the one copy
 
     def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None) -> nn.Module:
+        import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from goodput.model import shard_units
 
         mesh = self.device_mesh(d)
         reduce = torch.float32 if param_dtype is not None else None
@@ -237,6 +256,10 @@ class FSDP(Single):
         skips them (torch._dynamo.config.skip_fsdp_hooks) and, on torch 2.14, then compiles no
         graph at all: the run trains eagerly (docs/compile.md). What is outside the units (a
         ResNet's stem, a head) runs eagerly. State-dict keys are unchanged."""
+        import torch
+
+        from goodput.model import shard_units
+
         for unit in shard_units(model) or [model]:
             unit.forward = torch.compile(unit.forward, **options)
         return model
@@ -300,6 +323,7 @@ class HSDP(FSDP):
         return list(range(rank % self.group_size(world), world, self.group_size(world)))
 
     def device_mesh(self, d: Dist):
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is not None:

@@ -31,11 +31,15 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-
-from mlflow.entities import Metric, Param
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from goodput.resilience.lock import _pid_alive
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+# mlflow is imported where it is used: MlflowConfig, the schema below, is imported whenever Hydra
+# composes the config (`--help`, the compose API), which must not pay seconds for mlflow.
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +229,9 @@ def start_run(
     tags: dict[str, str] | None = None,
 ) -> str:
     """Create the job's run (or continue `run_id`). Called once, before any worker starts."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
     ensure_store(uri)
     client = MlflowClient(uri)
     if run_id is not None:
@@ -269,6 +276,8 @@ class Tracker:
         self._system = None
         if not self.enabled:
             return
+        from mlflow.tracking import MlflowClient
+
         self.client = MlflowClient(uri)
         self._q: queue.Queue = queue.Queue()
         self._closing = threading.Event()
@@ -282,6 +291,8 @@ class Tracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.enabled:
+            from mlflow.entities import Metric
+
             ts = int(time.time() * 1000)
             for k, v in metrics.items():
                 self._q.put(Metric(k, float(v), ts, step))

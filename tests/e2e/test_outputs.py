@@ -262,36 +262,6 @@ def test_mlflow_ui_opens_the_runs_table_of_the_training_experiment(tmp_path, mon
     assert want in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_hparams_search_runs_three_trials_under_one_parent_run(tmp_path):
-    """hparams_search=optuna on experiment=smoke: 3 trials, each its own run nested under the sweep's
-    parent MLflow run; the best in optimization_results.yaml is the best trial's val/accuracy."""
-    import glob
-
-    import yaml
-    from mlflow.tracking import MlflowClient
-
-    run_train(tmp_path, "hparams_search=optuna", "hydra.sweeper.n_trials=3", "trainer.max_steps=4")
-    summaries = []
-    for f in sorted(glob.glob(f"{tmp_path}/multirun/*/*/summary.json")):
-        with open(f) as fh:
-            summaries.append(json.load(fh))
-    assert len(summaries) == 3
-    (results,) = glob.glob(f"{tmp_path}/multirun/*/optimization_results.yaml")
-    with open(results) as f:
-        best = yaml.safe_load(f)
-    assert best["trials"] == 3 and best["best_value"] == max(s["val"]["val/accuracy"] for s in summaries)
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (exp,) = [e for e in client.search_experiments() if e.name == "goodput"]
-    runs = client.search_runs([exp.experiment_id])
-    (parent,) = [r for r in runs if r.data.tags.get("goodput.sweep") == "optuna"]
-    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.info.run_id for r in trials) == sorted(s["mlflow_run_id"] for s in summaries)
-    assert len({r.data.params["optim.optimizer.lr"] for r in trials}) == 3  # Optuna asked 3 points
-    values = [m.value for m in client.get_metric_history(parent.info.run_id, "trial_value")]
-    assert sorted(values) == sorted(s["val"]["val/accuracy"] for s in summaries)
-
-
 @pytest.mark.parametrize("backend", ["torch_save", "dcp_sync"])
 def test_eval_on_ema_exports_and_logs_the_ema_weights(tmp_path, dist1, backend):  # noqa: F811
     """trainer.eval_on=ema evaluates the EMA: the exported and the logged model must be the EMA too."""

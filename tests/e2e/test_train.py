@@ -74,6 +74,18 @@ def test_multirun_sweep_makes_two_runs(tmp_path):
     assert job[False]["wall_seconds"] < job[True]["wall_seconds"]
 
 
+@pytest.mark.slow
+def test_a_refused_job_fails_alone_in_a_sweep(tmp_path):
+    """-m with a job whose config is refused: that job fails (its sys.exit(2) used to end the whole
+    sweep, the jobs after it never ran), the others run, and the sweep exits 1 at the end with the
+    refusal in one line, naming the job (Hydra's rule for a failed job)."""
+    p, _ = run_train(tmp_path, "-m", "trainer.micro_batch_size=3,4", "trainer.max_steps=2", expect_rc=1)
+    out = p.stdout + p.stderr
+    assert "job 0 (trainer.micro_batch_size=3): invalid config:" in out and "Traceback" not in out
+    (ran,) = glob.glob(f"{tmp_path}/multirun/*/1_trainer.micro_batch_size=4/summary.json")
+    assert json.loads(Path(ran).read_text())["steps"] == 2
+
+
 def test_relaunch_of_finished_run_says_so_and_exits_0(tmp_path, smoke_reference):
     finished = Path(smoke_reference("dcp_sync")["checkpoint_dir"]).parents[1]  # its paths.root
     shutil.copytree(finished, tmp_path, symlinks=True, dirs_exist_ok=True)

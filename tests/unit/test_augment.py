@@ -11,7 +11,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
-import goodput.config  # noqa: F401  (registers the schemas)
 from goodput.data import augment
 from goodput.data.loader import DataConfig, ResumableLoader
 from goodput.data.synthetic import make_dataset

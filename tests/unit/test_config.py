@@ -152,6 +152,16 @@ def test_every_schema_field_is_documented():
                 assert documented, f"{group}.{node.target.id} ({schema.__module__}) has no docstring"
 
 
+def test_every_option_file_says_in_its_first_line_what_it_is():
+    """`--help` shows each option with the first line of its header comment (goodput.options)."""
+    from goodput import options
+
+    groups = options.groups(str(REPO / "conf"))
+    assert groups["checkpoint"].keys() == {"dcp_async", "dcp_sync", "torch_save"}  # files, not `base`
+    missing = [f"conf/{g}/{o}.yaml" for g, opts in groups.items() for o, text in opts.items() if not text]
+    assert not missing, f"start these with a `# what this option is` line: {missing}"
+
+
 def test_checks_live_in_the_schema():
     V2 = "torchvision.transforms.v2."
     c = OmegaConf.to_container(compose_train(["paths.root=/x"]), resolve=True)

@@ -1,25 +1,32 @@
-"""Checkpointing: one manager (stage, upload, commit, discover, retain, restore), three backends."""
+"""Checkpointing: one manager (stage, upload, commit, discover, retain, restore), three backends.
 
-from goodput.checkpoint.backends import BACKENDS, READERS, DCPAsync, DCPSync, TorchSave
-from goodput.checkpoint.config import CheckpointConfig
-from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step, step_dir
-from goodput.checkpoint.manager import CheckpointManager, SaveFailed
-from goodput.checkpoint.state import AppState, RNGState
+The names below load their module on first use (`from goodput.checkpoint import CheckpointManager`
+works as usual): the schema, goodput.checkpoint.config, is imported whenever Hydra composes the
+config (`--help`, the compose API), and must not bring torch.distributed.checkpoint with it."""
 
-__all__ = [
-    "BACKENDS",
-    "COMMIT",
-    "READERS",
-    "AppState",
-    "CheckpointConfig",
-    "CheckpointManager",
-    "CommitError",
-    "DCPAsync",
-    "DCPSync",
-    "RNGState",
-    "SaveFailed",
-    "TorchSave",
-    "parse_commit",
-    "parse_step",
-    "step_dir",
-]
+import importlib
+
+_MODULE = {
+    "BACKENDS": "backends",
+    "READERS": "backends",
+    "DCPAsync": "backends",
+    "DCPSync": "backends",
+    "TorchSave": "backends",
+    "CheckpointConfig": "config",
+    "COMMIT": "layout",
+    "CommitError": "layout",
+    "parse_commit": "layout",
+    "parse_step": "layout",
+    "step_dir": "layout",
+    "CheckpointManager": "manager",
+    "SaveFailed": "manager",
+    "AppState": "state",
+    "RNGState": "state",
+}
+__all__ = sorted(_MODULE)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE[name]}"), name)

@@ -13,11 +13,15 @@ tensor of a sample is a pure function of those three numbers (any worker count, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import OmegaConf
-from torchvision.transforms import v2
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
+
+# torch and torchvision are imported where they are used: AugmentConfig, the schema below, is
+# imported whenever Hydra composes the config (`--help`, the compose API), which must not pay for them.
 
 V2 = "torchvision.transforms.v2."
 SIZE = "${data.image_size}"  # resolved from the data node (or from `image_size` outside Hydra)
@@ -61,16 +65,22 @@ def _as_dict(cfg) -> dict:
 
 
 def _normalize(mean, std) -> list:
+    import torch
+    from torchvision.transforms import v2
+
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
 
 
 def _eval_view(size: int) -> list:
+    from torchvision.transforms import v2
+
     return [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
 
 
 def build(cfg: AugmentConfig | dict | None, image_size: int) -> tuple[v2.Compose, v2.Compose]:
     """(train transform, eval transform) for images of `image_size`. `cfg` None = the defaults."""
     from hydra.utils import instantiate
+    from torchvision.transforms import v2
 
     c = _as_dict(cfg if cfg is not None else AugmentConfig())
     # `${data.image_size}` in a node: resolve it here, so a config built outside Hydra works too.
@@ -90,6 +100,8 @@ def build(cfg: AugmentConfig | dict | None, image_size: int) -> tuple[v2.Compose
 
 def _check_size(transform: v2.Compose, size: int) -> None:
     """Fail at start-up, not in a DataLoader worker, when the pipeline does not end at size x size."""
+    import torch
+
     probe = torch.zeros(3, 2 * size + 3, size + 5, dtype=torch.uint8)  # odd, non-square on purpose
     with torch.random.fork_rng(devices=[]):
         out = transform(probe)

@@ -34,7 +34,6 @@ from goodput.untrusted import UnsafePath, regular
 
 log = logging.getLogger(__name__)
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Top-level entries of torch._dynamo.utils.compilation_time_metrics: a frame's compile (dynamo,
 # AOTAutograd, inductor's forward; recompiles too) and the backward graph, compiled on first use.
 FORWARD, BACKWARD = "_compile.compile_inner", "backward._backward_impl"

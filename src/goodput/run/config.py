@@ -8,8 +8,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from goodput.run.compiler import MODES
 from goodput.run.monitor import check_metric
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
 @dataclass

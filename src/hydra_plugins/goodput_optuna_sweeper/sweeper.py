@@ -1,49 +1,23 @@
-"""The sweeper (see the package docstring). Hydra finds it by scanning the hydra_plugins namespace."""
+"""The sweeper (see the package docstring). Hydra finds it by scanning the hydra_plugins namespace;
+optuna and MLflow are imported only when a search starts (_study, _runs)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import sys
 from typing import Any
 
-import optuna
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 from hydra.core.plugins import Plugins
+from hydra.errors import CompactHydraException
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import (
-    BaseDistribution,
-    CategoricalDistribution,
-    FloatDistribution,
-    IntDistribution,
-)
-from optuna.trial import TrialState
 
-log = logging.getLogger(__name__)
-
-
-def distribution(o: Override) -> BaseDistribution | None:
-    """Hydra's sweep syntax as an Optuna distribution; None for a plain value (passed to every trial)."""
-    v = o.value()
-    if isinstance(v, ChoiceSweep):
-        return CategoricalDistribution([x for x in o.sweep_iterator(transformer=lambda e: e)])
-    if isinstance(v, IntervalSweep):
-        log_scale = "log" in v.tags
-        if isinstance(v.start, int) and isinstance(v.end, int):
-            return IntDistribution(v.start, v.end, log=log_scale)
-        return FloatDistribution(float(v.start), float(v.end), log=log_scale)
-    if isinstance(v, RangeSweep):
-        if all(isinstance(x, int) for x in (v.start, v.stop, v.step)):
-            return IntDistribution(v.start, v.stop - 1, step=v.step)  # range(): stop excluded
-        return CategoricalDistribution([x for x in o.sweep_iterator(transformer=lambda e: e)])
-    if o.is_sweep_override():
-        raise ValueError(f"{o.input_line}: not a sweep the Optuna sweeper understands")
-    return None
-
+log = logging.getLogger("hydra_plugins.goodput_optuna_sweeper")
 
 OBJECTIVE = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*|class/.+)$")  # summary.json's `val` keys
 
@@ -60,11 +34,10 @@ class OptunaSweeper(Sweeper):
         storage: str | None = None,
         params: dict | None = None,
     ):
+        """`sampler`: built again in sweep() from hydra.sweeper.sampler, seeded for the study's size."""
         if direction not in ("maximize", "minimize"):
             raise ValueError(f"hydra.sweeper.direction must be maximize|minimize, got {direction!r}")
-        if not (
-            isinstance(metric, str) and re.match(r"^val/(loss|accuracy|top[1-9][0-9]*|class/.+)$", metric)
-        ):
+        if not (isinstance(metric, str) and OBJECTIVE.match(metric)):
             # each trial returns summary.json's `val` entry of this name: another name is no objective
             raise ValueError(
                 f"hydra.sweeper.metric must be a metric the final evaluation logs (val/loss, "
@@ -73,7 +46,7 @@ class OptunaSweeper(Sweeper):
         if n_trials < 1 or n_jobs < 1:
             raise ValueError(f"hydra.sweeper.n_trials and n_jobs must be >= 1, got {n_trials}, {n_jobs}")
         self.metric, self.direction, self.n_trials, self.n_jobs = metric, direction, n_trials, n_jobs
-        self.sampler_cfg, self.study_name, self.storage = sampler, study_name, storage
+        self.study_name, self.storage = study_name, storage
         self.params = {str(k): str(v) for k, v in (params or {}).items()}
         self.config: DictConfig | None = None
         self.launcher = None
@@ -85,8 +58,10 @@ class OptunaSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config
         )
 
-    def _space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], list[str]]:
+    def _space(self, arguments: list[str]) -> tuple[dict, list[str]]:
         """The search space (the preset's params, then the command line's sweeps) and the fixed overrides."""
+        from hydra_plugins.goodput_optuna_sweeper._study import distribution
+
         parser = OverridesParser.create()
         space, fixed = {}, []
         preset = parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()])
@@ -101,52 +76,142 @@ class OptunaSweeper(Sweeper):
         return space, fixed
 
     def sweep(self, arguments: list[str]) -> Any:
+        from goodput.errors import UserError
+        from goodput.resilience.lock import RunLocked
+
+        try:
+            return self._sweep(arguments)
+        except (UserError, RunLocked) as e:  # a refusal: one line and exit 2, as scripts/train.py's
+            log.error("%s", e)
+            sys.exit(2)
+
+    def _sweep(self, arguments: list[str]) -> dict:
+        from hydra_plugins.goodput_optuna_sweeper import _study
+        from hydra_plugins.goodput_optuna_sweeper._runs import ParentRun
+
         assert self.config is not None and self.launcher is not None
+        c = self.config
         space, fixed = self._space(arguments)
-        sampler = self.sampler_cfg  # Hydra built it already (a nested _target_), unless it came as a dict
-        if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
-            sampler = instantiate(sampler)
-        study = optuna.create_study(
-            study_name=self.study_name, storage=self.storage, sampler=sampler, direction=self.direction,
-            load_if_exists=True,
-        )  # fmt: skip
-        parent = ParentRun(self.config, space, self)
-        base = self.config.run.name
+        d = _study.definition(space, fixed, self.metric, self.direction, c.run.name)
+        name = self.study_name or _study.default_name(d)
+        storage = _study.storage_url(self.storage)
+        lock = self._lock(name)
+        try:
+            study = _study.open_study(name, storage, self.direction, d, explicit=self.study_name is not None)
+            _study.recover(study)
+            study.sampler = _study.sampler(c.hydra.sweeper.get("sampler"), len(study.trials)) or study.sampler
+            settings = {"metric": self.metric, "direction": self.direction}
+            parent = ParentRun(
+                c, name, {"search": d["space"], "sweeper": settings}, study.user_attrs.get(_study.PARENT_RUN)
+            )
+            if parent.run_id:
+                study.set_user_attr(_study.PARENT_RUN, parent.run_id)
+            try:
+                stopped = self._run(study, space, fixed, parent, name)
+            except BaseException:
+                parent.finish({}, "KILLED")
+                raise
+            best = self._best(study, name)
+            parent.finish(best, "KILLED" if stopped else "FINISHED")
+        finally:
+            lock.release()
+        os.makedirs(c.hydra.sweep.dir, exist_ok=True)  # (no job ran when the study was complete already)
+        out = f"{c.hydra.sweep.dir}/optimization_results.yaml"
+        OmegaConf.save(OmegaConf.create(best), out)
+        log.info("hparams search: %s (%s)", best, out)
+        return best
 
-        def plumbing(t) -> list[str]:  # each trial its own checkpoints, its MLflow run under the parent
-            return [f"run.name={base}/trial-{t.number:03d}", f"mlflow.parent_run_id={parent.run_id}"]
+    def _lock(self, name: str):
+        """One process per search, by the rule of a run's lock (goodput.resilience.lock): a relaunch
+        while it runs is refused, a dead one's lock is taken over, so the RUNNING trials the study
+        then holds are leftovers of a killed search. The lock sits above the trials' checkpoints."""
+        from hydra.utils import instantiate
 
-        done = 0
+        from goodput.resilience.lock import RunLock
+
+        c = self.config
+        root = str(c.paths.checkpoint_dir)
+        root = root if "://" in root else os.path.abspath(root)
+        lock = RunLock(instantiate(c.storage)(f"{root}/{name}"), c.run.lock_stale_seconds)
+        lock.acquire()
+        return lock
+
+    def _run(self, study, space: dict, fixed: list[str], parent, name: str) -> bool:
+        """Ask, launch, tell until n_trials trials count. True when a trial was stopped (a signal):
+        the search stops too, and relaunching the command continues it."""
+        from hydra_plugins.goodput_optuna_sweeper import _study
+
+        done = len(_study.counted(study))
+        if done:
+            log.info("hparams search: study %s continues: %d of %d trials done", name, done, self.n_trials)
         while done < self.n_trials:
             trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - done))]
-            batch = [tuple(fixed + [_override(k, t.params[k]) for k in space] + plumbing(t)) for t in trials]
+            for t in trials:  # each trial its own checkpoints and MLflow run; a resumed one its old run's
+                if t.user_attrs.get(_study.RUN_NAME) is None:
+                    t.set_user_attr(_study.RUN_NAME, f"{name}/trial-{t.number:03d}")
+            plumbing = [f"mlflow.parent_run_id={parent.run_id or 'null'}"]
+            batch = [
+                tuple(fixed + [_override(k, t.params[k]) for k in space] + plumbing
+                      + [_override("run.name", t.user_attrs[_study.RUN_NAME])])
+                for t in trials
+            ]  # fmt: skip
             self.validate_batch_is_legal(batch)
-            returns = self.launcher.launch(batch, initial_job_idx=self.job_idx)
+            try:
+                returns = self.launcher.launch(batch, initial_job_idx=self.job_idx)
+            except BaseException:  # a second Ctrl-C, a launcher's error: these trials did not finish
+                for t in trials:
+                    _study.interrupt(study, t, "was running when the search stopped")
+                raise
             self.job_idx += len(returns)
-            for t, r in zip(trials, returns):
-                value = _value(r)
-                if value is None:
-                    study.tell(t, state=TrialState.FAIL)
-                    log.warning("trial %d failed or returned no %s", t.number, self.metric)
-                else:
-                    study.tell(t, value)
-                parent.trial(t.number, value)
-            done += len(trials)
-        ok = [t for t in study.trials if t.state == TrialState.COMPLETE]
+            stopped = [self._tell(study, t, r, parent) for t, r in zip(trials, returns)]
+            done = len(_study.counted(study))
+            if any(stopped):
+                log.warning(
+                    "hparams search %s stopped: %d of %d trials done; the same command continues it",
+                    name, done, self.n_trials,
+                )  # fmt: skip
+                return True
+        return False
+
+    def _tell(self, study, t, r, parent) -> bool:
+        """A job's result as its trial's; True when the job was stopped before it finished."""
+        from optuna.trial import TrialState
+
+        from hydra_plugins.goodput_optuna_sweeper import _study
+
+        state, value, why, summary = outcome(r, self.metric)
+        if state == "interrupted":
+            _study.interrupt(study, t, why)
+            return True
+        if state == "complete":
+            study.tell(t, value)
+        else:
+            t.set_user_attr(_study.ERROR, why)
+            study.tell(t, state=TrialState.FAIL)
+            log.warning("hparams search: trial %d failed: %s", t.number, why)
+            parent.failed(t.number, t.user_attrs[_study.RUN_NAME], dict(t.params), why)
+        parent.trial(t.number, value, summary)
+        return False
+
+    def _best(self, study, name: str) -> dict:
+        from optuna.trial import TrialState
+
+        from hydra_plugins.goodput_optuna_sweeper._study import counted
+
+        trials = counted(study)
+        ok = [t for t in trials if t.state == TrialState.COMPLETE]
         best = {
             "name": "optuna",
+            "study": name,
             "metric": self.metric,
             "direction": self.direction,
-            "trials": len(study.trials),
+            "trials": len(trials),
+            "complete": len(ok),
         }
         if ok:
             best.update(
                 best_value=study.best_value, best_params=study.best_params, best_trial=study.best_trial.number
             )
-        parent.finish(best)
-        out = f"{self.config.hydra.sweep.dir}/optimization_results.yaml"
-        OmegaConf.save(OmegaConf.create(best), out)
-        log.info("hparams search: %s (%s)", best, out)
         return best
 
 
@@ -154,57 +219,22 @@ def _override(key: str, value) -> str:
     return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
 
 
-def _value(r) -> float | None:
+def outcome(r, metric: str) -> tuple[str, float | None, str | None, dict | None]:
+    """A job's result as a trial's: (state, value, why, summary), state "complete", "failed" or
+    "interrupted". scripts/train.py returns the run's summary; a refusal or a crash is the job's
+    exception, which Hydra keeps (return_value raises it again)."""
     try:
-        v = r.return_value  # re-raises a failed job's exception
+        summary = r.return_value
+    except CompactHydraException as e:  # scripts/train.py's refusal: its message says it all
+        return "failed", None, " ".join(str(e).split())[:2000], None
     except Exception as e:
-        log.warning("trial job failed: %r", e)
-        return None
+        return "failed", None, " ".join(f"{type(e).__name__}: {e}".split())[:2000], None
+    if not isinstance(summary, dict):
+        return "failed", None, "the job returned no summary (was its run already complete?)", None
+    steps, stopped_by = summary.get("steps", 0), summary.get("preempted")
+    if stopped_by and steps < r.cfg.trainer.max_steps and not summary.get("stop_reason"):
+        return "interrupted", None, f"was stopped by {stopped_by} at step {steps}", summary
+    v = (summary.get("val") or {}).get(metric)
     if v is None or isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
-        return None
-    return float(v)
-
-
-class ParentRun:
-    """The sweep's MLflow run; the trials nest under it. Tracking must never stop the search."""
-
-    def __init__(self, config: DictConfig, space: dict, sweeper: OptunaSweeper):
-        from goodput.tracking import _retry, flatten, start_run
-
-        self.run_id, self._retry = None, _retry
-        m = config.mlflow
-        try:
-            settings = {
-                "metric": sweeper.metric,
-                "direction": sweeper.direction,
-                "n_trials": sweeper.n_trials,
-            }
-            params = flatten({"search": {k: repr(d) for k, d in space.items()}, "sweeper": settings})
-            self.run_id = start_run(
-                m.tracking_uri, m.experiment, f"{config.run.name}/search", params, None, m.artifact_location,
-                tags={"goodput.sweep": "optuna"},
-            )  # fmt: skip
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient(m.tracking_uri)
-        except Exception as e:
-            log.warning("hparams search: no MLflow parent run (%s); the trials are logged alone", e)
-
-    def trial(self, number: int, value: float | None) -> None:
-        if self.run_id and value is not None:
-            self._call(self.client.log_metric, self.run_id, "trial_value", value, step=number)
-
-    def finish(self, best: dict) -> None:
-        if not self.run_id:
-            return
-        if "best_value" in best:
-            self._call(self.client.log_metric, self.run_id, "best_value", best["best_value"])
-            for k, v in best["best_params"].items():
-                self._call(self.client.log_param, self.run_id, f"best.{k}", v)
-        self._call(self.client.set_terminated, self.run_id, "FINISHED")
-
-    def _call(self, fn, *args, **kw) -> None:
-        try:
-            self._retry(fn, *args, **kw)
-        except Exception as e:
-            log.warning("hparams search: MLflow %s failed: %s", getattr(fn, "__name__", fn), e)
+        return "failed", None, f"its summary has no {metric}", summary
+    return "complete", float(v), None, summary
