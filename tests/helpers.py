@@ -274,5 +274,7 @@ def ckpt_dir(root, name: str = "smoke") -> Path:
         return base / name
     found = sorted(p for p in base.glob(f"{name}-*") if p.is_dir())
     if len(found) != 1:
-        raise AssertionError(f"expected one run named {name}[-*] under {base}, found {[p.name for p in found]}")
+        raise AssertionError(
+            f"expected one run named {name}[-*] under {base}, found {[p.name for p in found]}"
+        )
     return found[0]
