@@ -368,3 +368,22 @@ def test_a_key_file_inside_the_checkpoint_dir_fails_at_validate(tmp_path):
         validate(bad)
     assert cache_trust.key_file_problem("s3://b/k", "/ckpt") is not None
     assert cache_trust.key_file_problem(str(tmp_path / "k"), "s3://b/ckpt") is None
+
+
+def test_a_path_torch_would_write_outside_its_cache_dir_is_refused_whatever_the_key_shape(
+    tmp_path, monkeypatch
+):
+    """The second check behind the key shapes: the path is computed with torch's own functions (so a
+    torch that changed where it writes, or a looser shape, is still held to the cache dir)."""
+    import re
+
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(cache_trust, "KEY_SHAPES", dict.fromkeys(KEY_SHAPES, re.compile(".*", re.S)))
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    art = lambda kind, key: [(kind, [CacheArtifactFactory.create(kind, key, b"x")])]  # noqa: E731
+    assert cache_trust.check_artifacts(art("inductor", _key("f", "ok"))) is None
+    bad = [("autotune", "../evil.pth"), ("autotune", str(tmp_path / "x")), ("aot_autograd", "/abs")]
+    for kind, key in [*bad, ("inductor", "fx/../../../../evil")]:
+        assert "outside" in cache_trust.check_artifacts(art(kind, key)), (kind, key)
