@@ -324,9 +324,15 @@ def test_only_a_copy_this_run_signed_is_read_from_the_store(tmp_path, monkeypatc
         assert (cache.loaded, fake.loaded) == (0, []), what
         assert "no valid HMAC of this run's job" in caplog.text, what
     CompileCache(str(tmp_path / "c"), mine, key_file=str(tmp_path / "k")).save()  # this run's job
+    older = (tmp_path / "ckpt" / compiler.REMOTE).read_bytes()
     cache = CompileCache(str(tmp_path / "new-node" / "own"), mine, key_file=str(tmp_path / "k"))
     cache.activate()
     assert (cache.loaded, cache.source, fake.loaded) == (1, "remote", [b"compiled code"])
+    fake.payload = b"more compiled code"
+    CompileCache(str(tmp_path / "d"), mine, key_file=str(tmp_path / "k")).save()
+    (tmp_path / "ckpt" / compiler.REMOTE).write_bytes(older)  # what the HMAC does not stop: a replay
+    CompileCache(str(tmp_path / "new-node" / "replayed"), mine, key_file=str(tmp_path / "k")).activate()
+    assert fake.loaded[-1] == b"compiled code"  # this run's own older graphs, nothing else
 
 
 def test_the_key_is_created_private_and_an_unsafe_key_turns_the_store_copy_off(tmp_path, monkeypatch, caplog):
@@ -352,6 +358,14 @@ def test_the_key_is_created_private_and_an_unsafe_key_turns_the_store_copy_off(t
     (tmp_path / "short").chmod(0o600)
     with pytest.raises(PermissionError, match="holds 1 bytes"):
         cache_trust.load_secret(str(tmp_path / "short"))
+    (tmp_path / "link").symlink_to(key)
+    with pytest.raises(OSError):  # a link is not the key file itself
+        cache_trust.load_secret(str(tmp_path / "link"))
+    if os.geteuid() == 0:  # (only root can give a file away)
+        key.chmod(0o600)
+        os.chown(key, os.geteuid() + 4242, -1)
+        with pytest.raises(PermissionError, match=f"uid {os.geteuid() + 4242}"):
+            cache_trust.load_secret(str(key))
 
 
 def test_a_key_file_inside_the_checkpoint_dir_fails_at_validate(tmp_path):
