@@ -401,3 +401,31 @@ def test_a_path_torch_would_write_outside_its_cache_dir_is_refused_whatever_the_
     bad = [("autotune", "../evil.pth"), ("autotune", str(tmp_path / "x")), ("aot_autograd", "/abs")]
     for kind, key in [*bad, ("inductor", "fx/../../../../evil")]:
         assert "outside" in cache_trust.check_artifacts(art(kind, key)), (kind, key)
+
+
+def test_a_store_or_disk_that_fails_while_the_cache_loads_costs_a_cold_compile_not_the_start(
+    tmp_path, monkeypatch, caplog
+):
+    from torch.compiler._cache import CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    remote, key = Storage(str(tmp_path / "ckpt")), str(tmp_path / "k")
+    cache = CompileCache(str(tmp_path / "a"), remote, key_file=key)
+    (tmp_path / "ckpt" / "compile_cache").mkdir(parents=True)
+    payload = _artifact_payload([("inductor", [(_key("f", "x"), b"graph")])])
+    (tmp_path / "ckpt" / compiler.REMOTE).write_bytes(compiler.wrap(payload, cache.key))
+
+    def fail(*a, **kw):
+        raise OSError("injected")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        m.setattr(remote, "read_bytes", fail)  # the store
+        cache.activate()
+        m.undo()
+        m.setattr(CacheArtifactManager, "populate_caches", fail)  # the node's disk
+        cache.activate()
+    assert (cache.loaded, cache.source) == (0, None)
+    assert (
+        "could not read the compile cache" in caplog.text
+        and "could not load the compile cache" in caplog.text
+    )

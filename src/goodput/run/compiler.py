@@ -167,7 +167,11 @@ def load_artifacts(payload: bytes, where: str = "") -> object | None:
     for kind, artifacts in batches:
         seen = {a.key for a in merged.setdefault(kind, [])}
         merged[kind] += [a for a in artifacts if a.key not in seen]
-    return CacheArtifactManager.populate_caches(merged)
+    try:
+        return CacheArtifactManager.populate_caches(merged)
+    except Exception as e:  # a full disk, say: what was written is checked, the rest compiles
+        log.warning("could not load the compile cache %s: %s; compiling what is missing", where, e)
+        return None
 
 
 class CompileCache:
@@ -224,13 +228,18 @@ class CompileCache:
         if self.key is None:  # no store copy, or no key to check it with
             return None, None
         folder, _, name = REMOTE.rpartition("/")
-        size = self.remote.ls(folder).get(name)  # one listing: the kind of entry, not just its name
-        if size is None:
+        try:
+            size = self.remote.ls(folder).get(name)  # one listing: the kind of entry, not just its name
+            if size is not None and size < 0:  # DIR or FOREIGN (a link loads whatever it points at)
+                log.warning("compile cache %s is not a regular file; refused", self.remote.url(REMOTE))
+            if size is None or size < 0:
+                return None, None
+            return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
+        except Exception as e:  # a store that fails now: a cold compile, not a failed start
+            log.warning(
+                "could not read the compile cache %s: %s; compiling from scratch", self.remote.url(REMOTE), e
+            )
             return None, None
-        if size < 0:  # DIR or FOREIGN (a link would load whatever it points at: generated code)
-            log.warning("compile cache %s is not a regular file; refused", self.remote.url(REMOTE))
-            return None, None
-        return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
 
     def save(self) -> None:
         """After a compile: everything compiled in this process so far (and what was loaded)."""
