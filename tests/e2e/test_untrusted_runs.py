@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,10 @@ def test_malformed_run_records_are_moved_aside_and_the_run_trains_to_its_summary
     shutil.copytree(finished, tmp_path, symlinks=True, dirs_exist_ok=True)
     ck = ckpt_dir(tmp_path)
     (ck / "faults").mkdir(exist_ok=True)
-    (ck / "faults" / "hung-attempt0-rank0.fired").write_text('{"detected": 1.0, "hung_seconds": 2.0}')
+    # detected after the commit the relaunch restores: the hang counts, so its `attempt` is read
+    (ck / "faults" / "hung-attempt0-rank0.fired").write_text(
+        json.dumps({"detected": time.time(), "hung_seconds": 2})
+    )
     first = json.loads((ck / "attempts" / "0000.json").read_text())
     (ck / "attempts" / "0001.json").write_text(json.dumps({**first, "attempt": 1, "compile": [1.5]}))
     p, s = run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=16")
