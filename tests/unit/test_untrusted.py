@@ -7,6 +7,7 @@ the root, and that the run refused with a message naming the file and the row or
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import xxhash
-from helpers import DEEP, make_app, manager
+from helpers import DEEP, REPO, make_app, manager
 from helpers import manifest_dataset as _manifest_dataset
 from helpers import two_steps as _two_steps
 
@@ -463,7 +464,8 @@ class _Counting:
 def test_a_padded_checkpoint_file_is_not_downloaded_past_its_recorded_size(tmp_path, dist1, monkeypatch):  # noqa: F811
     """Export (inspect_checkpoint.py --export, the model logged to MLflow) reads a commit's files like
     a restore: a file padded after its commit is read for at most its recorded size (+1 byte that
-    tells it is longer) and written locally for at most that size, then refused."""
+    tells it is longer) and written locally for at most that size, then refused; --verify reads no
+    further either."""
     import contextlib
 
     from goodput.checkpoint import export
@@ -492,6 +494,17 @@ def test_a_padded_checkpoint_file_is_not_downloaded_past_its_recorded_size(tmp_p
         export.model_state(store, rec)
     read, written = counts[name][0], counts[name][1]
     assert read <= want["bytes"] + 1 and written <= want["bytes"], (read, written, want["bytes"])
+    counts.clear()  # inspect_checkpoint.py --verify streams it through the checksum the same way
+    spec = importlib.util.spec_from_file_location(
+        "inspect_checkpoint", REPO / "scripts" / "inspect_checkpoint.py"
+    )
+    inspect_checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect_checkpoint)
+    problems = inspect_checkpoint.verify(store, rec["dir"])
+    assert problems == [
+        f"{store.url(rec['dir'] + '/' + name)}: longer than the {want['bytes']} bytes its commit records"
+    ]
+    assert counts[name][0] <= want["bytes"] + 1, counts
 
 
 # -- decisions taken from a commit use a verified one ------------------------------------------------
