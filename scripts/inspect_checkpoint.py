@@ -23,7 +23,7 @@ import sys
 
 from goodput.checkpoint.export import ExportError, model_state, save_safetensors
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
-from goodput.storage.checksum import CHECKSUM
+from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
 
 
@@ -62,9 +62,12 @@ def verify(store: Storage, name: str) -> list[str]:
     for file, want in rec["files"].items():
         url = store.url(f"{name}/{file}")
         try:
-            got = store.digest(f"{name}/{file}")
+            got = store.digest(f"{name}/{file}", limit=want["bytes"])  # a padded file: read no further
         except FileNotFoundError:
             problems.append(f"{url}: missing")
+            continue
+        except TooLarge:
+            problems.append(f"{url}: longer than the {want['bytes']} bytes its commit records")
             continue
         except (OSError, ValueError) as e:  # a link or special file (refused unread), an I/O error
             problems.append(f"{url}: unreadable: {e}")

@@ -31,6 +31,7 @@ from goodput.data.config import DataConfig, DemoDataConfig
 from goodput.errors import UserError
 from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
+from goodput.run.cache_trust import key_file_problem
 from goodput.run.config import ScheduleConfig, TrainerConfig
 from goodput.run.monitor import check_logged
 from goodput.storage.remote import StorageConfig
@@ -353,6 +354,9 @@ def validate(c: dict) -> Config:
     errors += optim_errors(c["optim"])
     if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
         errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
+    if tr.get("compile") and tr.get("compile_cache_upload"):  # the key must not be the store's to swap
+        problem = key_file_problem(tr["compile_cache_key_file"], c["checkpoint"]["dir"])
+        errors += [problem] if problem else []
 
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

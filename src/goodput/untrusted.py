@@ -9,19 +9,25 @@ each is checked by one rule before it is used:
 - `confined`: the local file of such a path under its root, resolved: no symbolic link below the
   root (a link in a store can point anywhere, also at another run's committed checkpoint).
 - `regular`: a local file about to be read is a regular file (a FIFO blocks a reader forever).
-- `parse_record`: a JSON record (commit, rank manifest, lock, attempt, shard index) parsed as
-  untrusted: any parser exception (RecursionError from deep nesting too) or a wrong top-level type
-  is a `RecordError` naming the file; `field` checks one key's type and range.
+- `parse_record`: a JSON record (commit, rank manifest, lock, attempt, fault marker, shard index)
+  parsed as untrusted: any parser exception (RecursionError from deep nesting too) or a wrong
+  top-level type is a `RecordError` naming the file; `field` checks one key's type and range;
+  `set_aside` moves a malformed record out of the way, kept and named in a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import stat
+import time
 
 from goodput.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -112,7 +118,8 @@ _MISSING = object()
 
 
 def field(rec: dict, key: str, kind, what: str, default=_MISSING, minimum=None):
-    """`rec[key]`, checked to be of `kind` (a type or tuple; bool is never an int here) and >= `minimum`.
+    """`rec[key]`, checked to be of `kind` (a type or tuple; bool is never an int here, a float is
+    finite) and >= `minimum`.
     Missing: `default` if given, else RecordError naming `what` and the key."""
     if key not in rec:
         if default is _MISSING:
@@ -123,6 +130,20 @@ def field(rec: dict, key: str, kind, what: str, default=_MISSING, minimum=None):
     if (isinstance(v, bool) and bool not in kinds) or not isinstance(v, kinds):
         names = "/".join(k.__name__ for k in kinds)
         raise RecordError(f"{what}: {key!r} is {v!r}, expected {names}")
+    if isinstance(v, float) and not math.isfinite(v):  # NaN passes every comparison below, then poisons sums
+        raise RecordError(f"{what}: {key!r} is {v!r}, expected a finite number")
     if minimum is not None and v < minimum:
         raise RecordError(f"{what}: {key!r} is {v!r}, expected >= {minimum}")
     return v
+
+
+def set_aside(storage, rel: str, error: Exception) -> None:
+    """Move the malformed record `rel` of `storage` (a goodput.storage.Storage) to
+    `<rel>.malformed-<time>`, with a warning naming the error and where it went: kept for a look, no
+    longer read (the next start does not trip on it again). A store that cannot move it: warned."""
+    aside = f"{rel}.malformed-{int(time.time())}"
+    log.warning("%s; moving it to %s", error, storage.url(aside))
+    try:
+        storage.mv(rel, aside)
+    except Exception as e:
+        log.warning("could not move %s aside: %s", storage.url(rel), e)

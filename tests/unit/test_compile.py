@@ -3,8 +3,12 @@ compile cache that survives a kill (and refuses a corrupt one), in-process."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +19,8 @@ from goodput.checkpoint import AppState
 from goodput.model import SmallCNN
 from goodput.parallel import Single
 from goodput.resilience.accounting import sync_point
-from goodput.run import compiler
+from goodput.run import cache_trust, compiler
+from goodput.run.cache_trust import KEY_SHAPES
 from goodput.run.compiler import CompileCache, CompileClock
 from goodput.storage.remote import Storage
 
@@ -125,7 +130,7 @@ class FakeTorchCache:
     def save(self):
         return self.payload, None
 
-    def load(self, blob):
+    def load(self, blob, where=""):
         self.loaded.append(blob)
         from torch.compiler._cache import CacheInfo
 
@@ -137,8 +142,8 @@ class FakeTorchCache:
 def test_the_cache_survives_in_the_local_dir_and_beside_the_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")  # restored after the test
     fake = FakeTorchCache(monkeypatch)
-    remote = Storage(str(tmp_path / "ckpt"))
-    first = CompileCache(str(tmp_path / "node1"), remote)
+    remote, key = Storage(str(tmp_path / "ckpt")), str(tmp_path / "keys" / "k")
+    first = CompileCache(str(tmp_path / "node1"), remote, key_file=key)
     first.activate()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "node1" / "inductor")
     assert first.loaded == 0 and fake.loaded == []  # cold
@@ -146,7 +151,7 @@ def test_the_cache_survives_in_the_local_dir_and_beside_the_checkpoints(tmp_path
     again = CompileCache(str(tmp_path / "node1"), None)  # a restart on the same node
     again.activate()
     assert (again.loaded, again.source, fake.loaded) == (1, "local", [b"compiled code"])
-    elsewhere = CompileCache(str(tmp_path / "node2"), remote)  # a relaunch on a new node
+    elsewhere = CompileCache(str(tmp_path / "node2"), remote, key_file=key)  # a relaunch on a new node
     elsewhere.activate()
     assert (elsewhere.source, len(fake.loaded)) == ("remote", 2)
     assert CompileCache(str(tmp_path / "node3"), None).loaded == 0  # upload off: nothing to read
@@ -182,19 +187,24 @@ def test_a_blob_torch_cannot_read_is_ignored(tmp_path, monkeypatch, caplog):
     cache = CompileCache(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
         cache.activate()
-    assert cache.loaded == 0 and "torch could not read" in caplog.text
+    assert cache.loaded == 0 and "torch cannot parse its artifacts" in caplog.text
+
+
+def _key(prefix: str, name: str) -> str:
+    """A key in the shape torch gives an inductor ("f") or AOTAutograd ("a") entry: 51 base32 characters."""
+    return (prefix + name).ljust(52, "q")
 
 
 def _artifact_payload(batches) -> bytes:
-    """Bytes as save_cache_artifacts makes them after one save per batch (cumulative)."""
-    from torch.compiler._cache import CacheArtifactFactory, _serialize_single_cache
+    """Bytes as save_cache_artifacts makes them after one save per batch (cumulative); each batch is
+    (type, [(key, content)])."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
+    CacheArtifactManager._ensure_cache_artifacts_registered()
     ser = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-    for keys in batches:
-        ser.extend(
-            [("inductor", [CacheArtifactFactory.create("inductor", k, b"graph " + k.encode()) for k in keys])]
-        )
+    for kind, items in batches:
+        ser.extend([(kind, [CacheArtifactFactory.create(kind, k, content) for k, content in items])])
     return ser.to_bytes()
 
 
@@ -204,10 +214,12 @@ def test_every_saved_batch_is_loaded(tmp_path, monkeypatch):
     import torch._inductor.codecache  # noqa: F401  (registers the inductor artifact type)
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    payload = _artifact_payload([["ftrainfwd", "ftrainbwd"], ["fevalfwd"]])
+    train_fwd, train_bwd, eval_fwd = (_key("f", n) for n in ("trainfwd", "trainbwd", "evalfwd"))
+    graphs = lambda *keys: ("inductor", [(k, b"graph " + k.encode()) for k in keys])  # noqa: E731
+    payload = _artifact_payload([graphs(train_fwd, train_bwd), graphs(eval_fwd)])
     info = compiler.load_artifacts(payload)
-    assert sorted(info.artifacts["inductor"]) == ["fevalfwd", "ftrainbwd", "ftrainfwd"]
-    for key in ("ftrainfwd", "fevalfwd"):  # written where inductor's graph cache looks them up
+    assert sorted(info.artifacts["inductor"]) == sorted([train_fwd, train_bwd, eval_fwd])
+    for key in (train_fwd, eval_fwd):  # written where inductor's graph cache looks them up
         assert list((tmp_path / "inductor").rglob(f"*{key}*")), key
 
 
@@ -222,7 +234,9 @@ def test_a_linked_cache_is_refused_locally_and_beside_the_checkpoints(tmp_path, 
     (tmp_path / "node" / compiler.ARTIFACTS).symlink_to(blob)
     (tmp_path / "ckpt" / "compile_cache").mkdir(parents=True)
     (tmp_path / "ckpt" / compiler.REMOTE).symlink_to(blob)
-    cache = CompileCache(str(tmp_path / "node"), Storage(str(tmp_path / "ckpt")))
+    cache = CompileCache(
+        str(tmp_path / "node"), Storage(str(tmp_path / "ckpt")), key_file=str(tmp_path / "k")
+    )
     with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
         cache.activate()
     assert (cache.loaded, cache.source, fake.loaded) == (0, None, [])
@@ -292,3 +306,198 @@ def test_compile_under_fsdp_compiles_graphs_and_trains_the_eager_model(tmp_path)
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-5, msg=k)
     torch.testing.assert_close(got[True]["logits"], got[False]["logits"], rtol=1e-5, atol=1e-5)
+
+
+# -- the cache from the store is code: only this run's job may have written it ----------------------
+def _forge(payload: bytes) -> bytes:
+    """The envelope as whoever can write the checkpoint dir makes it: the header's sha256 is theirs to
+    compute (and any "hmac" they like)."""
+    head = {"torch": torch.__version__, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+    head["hmac"] = "0" * 64
+    return compiler.MAGIC + json.dumps(head).encode() + b"\n" + payload
+
+
+# What an attacker files under torch's artifact types: torch's populate_cache builds each path from
+# the key (`{sp}`: a site-packages dir, `.pth` files there run at the next Python start).
+PTH = "import pathlib; pathlib.Path({mark!r}).write_text('ran')\n"
+FORGED = {
+    "autotune-absolute-pth": ("autotune", "{sp}/evil.pth", PTH),
+    "autotune-climbing-pth": ("autotune", "../../site-packages/evil.pth", PTH),  # from <node>/inductor
+    "inductor-climbing": ("inductor", "fx/../../../../../site-packages", "graph"),
+    "aot_autograd-absolute": ("aot_autograd", "{sp}", "graph"),
+    "pgo-pickle": ("pgo", "evil", "a pickle dynamo loads at the next compile"),
+    "precompile-absolute": ("precompile", "{sp}/pkg", "a pickle"),
+}
+
+
+def _files(root) -> set:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+@pytest.mark.parametrize("where", ["store", "store, signed by this run", "node"])
+@pytest.mark.parametrize("case", list(FORGED))
+def test_a_forged_cache_writes_nothing_and_runs_nothing(tmp_path, monkeypatch, caplog, case, where):
+    """A blob in the checkpoint dir without this run's HMAC is never handed to torch; and no copy,
+    signed or node-local, that holds an artifact torch would not write here (another type, a key of
+    another shape, a path outside inductor's cache dir) is either: nothing is written anywhere and
+    nothing runs, the start compiles from scratch."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    sp, mark = tmp_path / "site-packages", tmp_path / "ran"
+    sp.mkdir()
+    kind, key, content = FORGED[case]
+    payload = _artifact_payload([(kind, [(key.format(sp=sp), content.format(mark=str(mark)).encode())])])
+    remote = Storage(str(tmp_path / "ckpt"))
+    cache = CompileCache(str(tmp_path / "node"), remote, key_file=str(tmp_path / "keys" / "k"))
+    if where == "node":
+        blob, at = _forge(payload), tmp_path / "node" / compiler.ARTIFACTS
+    else:
+        blob = compiler.wrap(payload, cache.key) if "signed" in where else _forge(payload)
+        at = tmp_path / "ckpt" / compiler.REMOTE
+    at.parent.mkdir(parents=True)
+    at.write_bytes(blob)
+    before = _files(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        cache.activate()
+    assert _files(tmp_path) == before  # nothing written: not in site-packages, not in the cache dir
+    subprocess.run(
+        [sys.executable, "-c", "import site, sys; site.addsitedir(sys.argv[1])", str(sp)], check=True
+    )
+    assert not mark.exists()  # and nothing ran
+    assert (cache.loaded, cache.source) == (0, None)
+    why = (
+        "no valid HMAC"
+        if where == "store"
+        else "not a key torch makes"
+        if kind in KEY_SHAPES
+        else "artifact type"
+    )
+    assert why in caplog.text and str(at) in caplog.text, caplog.text
+
+
+def test_only_a_copy_this_run_signed_is_read_from_the_store(tmp_path, monkeypatch, caplog):
+    """Signed with another secret, signed for another run (its checkpoint dir), or unsigned: ignored
+    with a warning; this run's own signed copy loads on a new node."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    fake = FakeTorchCache(monkeypatch)
+    mine, other = Storage(str(tmp_path / "ckpt")), Storage(str(tmp_path / "other-run"))
+    CompileCache(str(tmp_path / "a"), other, key_file=str(tmp_path / "k")).save()  # same secret, other run
+    CompileCache(str(tmp_path / "b"), mine, key_file=str(tmp_path / "k2")).save()  # another secret
+    blobs = {
+        "other run": (tmp_path / "other-run" / compiler.REMOTE).read_bytes(),
+        "other secret": (tmp_path / "ckpt" / compiler.REMOTE).read_bytes(),
+        "unsigned": compiler.wrap(b"compiled code"),
+    }
+    for what, blob in blobs.items():
+        (tmp_path / "ckpt" / compiler.REMOTE).write_bytes(blob)
+        cache = CompileCache(str(tmp_path / "new-node" / what), mine, key_file=str(tmp_path / "k"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+            cache.activate()
+        assert (cache.loaded, fake.loaded) == (0, []), what
+        assert "no valid HMAC of this run's job" in caplog.text, what
+    CompileCache(str(tmp_path / "c"), mine, key_file=str(tmp_path / "k")).save()  # this run's job
+    older = (tmp_path / "ckpt" / compiler.REMOTE).read_bytes()
+    cache = CompileCache(str(tmp_path / "new-node" / "own"), mine, key_file=str(tmp_path / "k"))
+    cache.activate()
+    assert (cache.loaded, cache.source, fake.loaded) == (1, "remote", [b"compiled code"])
+    fake.payload = b"more compiled code"
+    CompileCache(str(tmp_path / "d"), mine, key_file=str(tmp_path / "k")).save()
+    (tmp_path / "ckpt" / compiler.REMOTE).write_bytes(older)  # what the HMAC does not stop: a replay
+    CompileCache(str(tmp_path / "new-node" / "replayed"), mine, key_file=str(tmp_path / "k")).activate()
+    assert fake.loaded[-1] == b"compiled code"  # this run's own older graphs, nothing else
+
+
+def test_the_key_is_created_private_and_an_unsafe_key_turns_the_store_copy_off(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    fake = FakeTorchCache(monkeypatch)
+    key = tmp_path / "keys" / "compile_cache.key"
+    secret = cache_trust.load_secret(str(key))
+    assert oct(key.stat().st_mode & 0o777) == "0o600" and oct(key.parent.stat().st_mode & 0o777) == "0o700"
+    assert cache_trust.load_secret(str(key)) == secret and len(secret) >= cache_trust.SECRET_BYTES
+    remote = Storage(str(tmp_path / "ckpt"))
+    CompileCache(str(tmp_path / "a"), remote, key_file=str(key)).save()
+    uploaded = (tmp_path / "ckpt" / compiler.REMOTE).read_bytes()
+    key.chmod(0o644)  # readable by others: anyone who can read it could sign a cache
+    with caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        cache = CompileCache(str(tmp_path / "b"), remote, key_file=str(key))
+        cache.activate()
+        fake.payload = b"other code"
+        cache.save()
+    assert cache.key is None and (cache.loaded, fake.loaded) == (0, [])
+    assert "neither read nor written" in caplog.text and "mode -rw-r--r--" in caplog.text
+    assert (tmp_path / "ckpt" / compiler.REMOTE).read_bytes() == uploaded  # not overwritten
+    (tmp_path / "short").write_text("x")
+    (tmp_path / "short").chmod(0o600)
+    with pytest.raises(PermissionError, match="holds 1 bytes"):
+        cache_trust.load_secret(str(tmp_path / "short"))
+    (tmp_path / "link").symlink_to(key)
+    with pytest.raises(OSError):  # a link is not the key file itself
+        cache_trust.load_secret(str(tmp_path / "link"))
+    if os.geteuid() == 0:  # (only root can give a file away)
+        key.chmod(0o600)
+        os.chown(key, os.geteuid() + 4242, -1)
+        with pytest.raises(PermissionError, match=f"uid {os.geteuid() + 4242}"):
+            cache_trust.load_secret(str(key))
+
+
+def test_a_key_file_inside_the_checkpoint_dir_fails_at_validate(tmp_path):
+    from helpers import compose_train
+    from omegaconf import OmegaConf
+
+    from goodput.config import ConfigError, validate
+
+    over = [f"paths.root={tmp_path}", "trainer.compile=true", "trainer.compile_cache_upload=true"]
+    c = OmegaConf.to_container(compose_train(over), resolve=True)
+    validate(c)  # the default: <paths.root>/keys/, beside the checkpoints, not in them
+    bad = {**c, "trainer": {**c["trainer"], "compile_cache_key_file": c["checkpoint"]["dir"] + "/k.key"}}
+    with pytest.raises(ConfigError, match="trainer.compile_cache_key_file=.* is inside checkpoint.dir="):
+        validate(bad)
+    assert cache_trust.key_file_problem("s3://b/k", "/ckpt") is not None
+    assert cache_trust.key_file_problem(str(tmp_path / "k"), "s3://b/ckpt") is None
+
+
+def test_a_path_torch_would_write_outside_its_cache_dir_is_refused_whatever_the_key_shape(
+    tmp_path, monkeypatch
+):
+    """The second check behind the key shapes: the path is computed with torch's own functions (so a
+    torch that changed where it writes, or a looser shape, is still held to the cache dir)."""
+    import re
+
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(cache_trust, "KEY_SHAPES", dict.fromkeys(KEY_SHAPES, re.compile(".*", re.S)))
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    art = lambda kind, key: [(kind, [CacheArtifactFactory.create(kind, key, b"x")])]  # noqa: E731
+    assert cache_trust.check_artifacts(art("inductor", _key("f", "ok"))) is None
+    bad = [("autotune", "../evil.pth"), ("autotune", str(tmp_path / "x")), ("aot_autograd", "/abs")]
+    for kind, key in [*bad, ("inductor", "fx/../../../../evil")]:
+        assert "outside" in cache_trust.check_artifacts(art(kind, key)), (kind, key)
+
+
+def test_a_store_or_disk_that_fails_while_the_cache_loads_costs_a_cold_compile_not_the_start(
+    tmp_path, monkeypatch, caplog
+):
+    from torch.compiler._cache import CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")
+    remote, key = Storage(str(tmp_path / "ckpt")), str(tmp_path / "k")
+    cache = CompileCache(str(tmp_path / "a"), remote, key_file=key)
+    (tmp_path / "ckpt" / "compile_cache").mkdir(parents=True)
+    payload = _artifact_payload([("inductor", [(_key("f", "x"), b"graph")])])
+    (tmp_path / "ckpt" / compiler.REMOTE).write_bytes(compiler.wrap(payload, cache.key))
+
+    def fail(*a, **kw):
+        raise OSError("injected")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="goodput.run.compiler"):
+        m.setattr(remote, "read_bytes", fail)  # the store
+        cache.activate()
+        m.undo()
+        m.setattr(CacheArtifactManager, "populate_caches", fail)  # the node's disk
+        cache.activate()
+    assert (cache.loaded, cache.source) == (0, None)
+    assert (
+        "could not read the compile cache" in caplog.text
+        and "could not load the compile cache" in caplog.text
+    )

@@ -381,7 +381,8 @@ EXTRA_RUNS = {
     "run": [(["trainer.max_steps=6"], False), (["run.resume=none", "run.overwrite=true"], False)],
     "trainer": [
         (["trainer.max_steps=6"], False),
-        # trainer.compile_*: only when trainer.compile is on (the fixture makes compiling a no-op).
+        # trainer.compile_*: only when trainer.compile is on (the fixture makes compiling a no-op);
+        # compile_cache_key_file is opened (created in paths.root) because the upload is on.
         (["trainer.max_steps=8", "trainer.compile=true", "trainer.compile_cache_upload=true"], False),
     ],
     # parallel.rdzv_*: only when the elastic agent starts (max_restarts > 0 or several processes).

@@ -7,6 +7,7 @@ the root, and that the run refused with a message naming the file and the row or
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import xxhash
-from helpers import DEEP, make_app, manager
+from helpers import DEEP, REPO, make_app, manager
 from helpers import manifest_dataset as _manifest_dataset
 from helpers import two_steps as _two_steps
 
@@ -27,7 +28,9 @@ from goodput.config import RunConfig
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.data.shards import INDEX, ShardSource, pack
 from goodput.data.sources import CachedSource
-from goodput.resilience.accounting import Attempts
+from goodput.resilience.accounting import Attempts, Ledger
+from goodput.resilience.bookkeeping import Goodput
+from goodput.resilience.fault import Faults
 from goodput.resilience.lock import RunLock
 from goodput.run.config import TrainerConfig
 from goodput.run.context import RunContext
@@ -316,6 +319,192 @@ def test_a_malformed_attempt_record_is_moved_aside_and_counted(tmp_path, caplog,
     assert sorted(p.name for p in (tmp_path / "attempts").iterdir() if not p.name.startswith("0001"))[1] == (
         "0002.json"
     )
+
+
+def _books(store, run_dir):
+    """Rank 0's bookkeeping of one start, on the real fault markers of `store`."""
+    tracker = SimpleNamespace(set_tags=lambda tags: None, log=lambda *a: None)
+    return Goodput(Ledger(), store, 0, 1, str(run_dir), tracker, Faults(store, 0))
+
+
+@pytest.mark.parametrize(
+    "name, record",
+    [
+        ("hung-attempt0-rank0.fired", b'{"attempt": "0", "detected": 1.0, "hung_seconds": 2.0}'),
+        ("hung-attempt0-rank0.fired", b'{"detected": 1.0, "hung_seconds": 2.0}'),  # no attempt
+        ("hung-attempt0-rank0.fired", b'{"attempt": 0, "detected": "soon", "hung_seconds": 2.0}'),
+        ("hung-attempt0-rank0.fired", b'{"attempt": 0, "detected": 1.0, "hung_seconds": NaN}'),
+        ("hung-attempt0-rank1.fired", b'{"attempt": 0, "detected": 1e999, "hung_seconds": 2.0}'),
+        ("hung-attempt0-rank0.fired", b"[]"),
+        ("hung-attempt0-rank0.fired", DEEP),
+        ("kill_at_step-3.fired", b'{"time": "yesterday", "rank": 0, "attempt": 0}'),
+    ],
+)  # fmt: skip
+def test_a_malformed_fault_marker_is_moved_aside_and_the_start_goes_on(tmp_path, caplog, name, record):
+    """The watchdog's hang records and the drills' markers are read at every start (the hung time the
+    restored ledger lacks, the failure time of a restart): one with a wrong type or a missing key
+    used to crash each start; now it is moved aside, named, and the start is counted."""
+    store = Storage(str(tmp_path / "ckpt"))
+    store.write_bytes(f"faults/{name}", record)
+    good = b'{"attempt": 0, "detected": 5.0, "hung_seconds": 3.0, "rank": 1, "step": 4, "time": 2.0}'
+    store.write_bytes("faults/hung-attempt0-rank9.fired", good)
+    books = _books(store, tmp_path)
+    assert books.begin(None, time.time()) == 0
+    assert books.ledger.totals["hung"] == 3.0  # the good record still counts
+    aside = [p.name for p in (tmp_path / "ckpt" / "faults").iterdir() if ".malformed-" in p.name]
+    assert len(aside) == 1 and aside[0].startswith(name)
+    assert (tmp_path / "ckpt" / "faults" / aside[0]).read_bytes() == record  # kept for a look
+    assert any(f"faults/{name}" in r.message and "moving it to" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "compile_, recovery",
+    [
+        ([1.5], None),  # not a mapping: passed the check, then crashed the summary at the end
+        ("fast", None),
+        ({"first_step_seconds": "1.5"}, None),
+        ({"first_step_seconds": 1.5, "fxgraph_cache_hit": -1}, None),
+        ({"first_step_seconds": 1.5, "attempt": 7}, None),  # would overwrite the record's own number
+        (None, {"seconds": {"built": 1.0}, "at": {"built": "noon"}}),
+        (None, {"seconds": {}, "compile_seconds": [2]}),
+    ],
+)  # fmt: skip
+def test_an_attempt_record_with_a_malformed_part_is_moved_aside_and_the_summary_written(
+    tmp_path, caplog, compile_, recovery
+):
+    store = Storage(str(tmp_path / "ckpt"))
+    first = _books(store, tmp_path)
+    first.begin(None, time.time())
+    parts = {k: v for k, v in (("compile", compile_), ("recovery", recovery)) if v is not None}
+    store.write_bytes("attempts/0000.json", json.dumps({**first.attempts.record, **parts}).encode())
+    second = _books(store, tmp_path)
+    assert second.begin(None, time.time()) == 1  # the number stays taken
+    summary = second.summary(12)
+    assert summary["compile"] == [] and summary["recovery"]["per_restart"] == []
+    assert json.dumps(summary)  # what write_summary writes
+    assert [p.name for p in (tmp_path / "ckpt" / "attempts").iterdir() if ".malformed-" in p.name]
+    assert any("attempts/0000.json" in r.message and "moving it to" in r.message for r in caplog.records)
+
+
+def test_a_well_formed_compile_record_reaches_the_summary(tmp_path):
+    store = Storage(str(tmp_path / "ckpt"))
+    first = _books(store, tmp_path)
+    first.begin(None, time.time())
+    paid = {
+        "first_step_seconds": 1.5,
+        "cache_artifacts_loaded": 0,
+        "cache_source": None,
+        "fxgraph_cache_miss": 3,
+    }
+    first.attempts.record["compile"] = paid
+    first.attempts.beat(4)
+    second = _books(store, tmp_path)
+    second.begin(None, time.time())
+    assert second.summary(12)["compile"] == [{"attempt": 0, **paid}]
+
+
+@pytest.mark.parametrize(
+    "part, state",
+    [
+        ("best", {"by": "val/loss", "mode": "min", "step": "8", "value": 0.5}),
+        ("best", {"by": "val/loss", "mode": "min", "step": 8, "value": "low"}),
+        ("best", {"by": "val/loss", "mode": "min", "step": -8, "value": 0.5}),
+        ("best", [8, 0.5]),
+        ("early_stopping", {"by": "val/loss", "best": 0.5, "bad": "2", "stopped_at": None}),
+        ("early_stopping", {"by": "val/loss", "best": 0.5, "stopped_at": None}),
+        ("early_stopping", {"by": "val/loss", "best": {"v": 1}, "bad": 0, "stopped_at": None}),
+    ],
+)  # fmt: skip
+def test_a_malformed_best_or_early_stopping_state_starts_over(caplog, part, state):
+    """A checkpoint's best-so-far and early-stopping counter are records too: a malformed one used to
+    load, then crash the first evaluation; now the checkpoint loads and that part starts over, warned."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from goodput.checkpoint.state import encode
+    from goodput.run.monitor import Best, EarlyStopping
+
+    app, *_ = make_app(1)
+    best, early = Best("val/loss", None), EarlyStopping(3, "val/loss", 0.0, None)
+    app.register("best", best, missing="checkpoint.keep_best_by's best so far starts over")
+    app.register("early_stopping", early, missing="the early-stopping counter starts from zero")
+    opts = StateDictOptions()
+    sd = app.state_dict(opts)
+    sd["extra"][part] = encode(state)
+    app.apply(sd, opts, step=8)
+    assert (best.step, best.value, early.best, early.bad) == (None, None, None, 0)
+    assert best.observe({"val/loss": 0.4}, 12) and not early.update({"val/loss": 0.4}, 12)
+    assert any(f"extra.{part}" in r.message and "step 8" in r.message for r in caplog.records)
+
+
+class _Counting:
+    """A file object that counts the bytes that pass through it."""
+
+    def __init__(self, f, counts: list):
+        self.f, self.counts = f, counts
+
+    def read(self, n=-1):
+        buf = self.f.read(n)
+        self.counts[0] += len(buf)
+        return buf
+
+    def write(self, buf):
+        self.counts[1] += len(buf)
+        return self.f.write(buf)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+def test_a_padded_checkpoint_file_is_not_downloaded_past_its_recorded_size(tmp_path, dist1, monkeypatch):  # noqa: F811
+    """Export (inspect_checkpoint.py --export, the model logged to MLflow) reads a commit's files like
+    a restore: a file padded after its commit is read for at most its recorded size (+1 byte that
+    tells it is longer) and written locally for at most that size, then refused; --verify reads no
+    further either."""
+    import contextlib
+
+    from goodput.checkpoint import export
+    from goodput.storage import remote as remote_mod
+
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    rec = mgr.committed()[0]
+    name, want = max(rec["files"].items(), key=lambda kv: kv[1]["bytes"])
+    with open(remote / rec["dir"] / name, "ab") as f:
+        f.write(b"\0" * (8 << 20))  # 8 MiB past the record
+    counts = {}  # file name -> [bytes read from the store, bytes written locally]
+    store = mgr.storage
+    real_open, real_atomic = store.fs.open, remote_mod.atomic_file
+
+    def counted_open(path, mode="rb", **kw):
+        return _Counting(real_open(path, mode, **kw), counts.setdefault(os.path.basename(path), [0, 0]))
+
+    @contextlib.contextmanager
+    def counted_atomic(path, *a, **kw):
+        with real_atomic(path, *a, **kw) as out:
+            yield _Counting(out, counts.setdefault(os.path.basename(path), [0, 0]))
+
+    monkeypatch.setattr(store.fs, "open", counted_open)
+    monkeypatch.setattr(remote_mod, "atomic_file", counted_atomic)
+    with pytest.raises(export.ExportError, match=re.escape(f"{rec['dir']}/{name}")):
+        export.model_state(store, rec)
+    read, written = counts[name][0], counts[name][1]
+    assert read <= want["bytes"] + 1 and written <= want["bytes"], (read, written, want["bytes"])
+    counts.clear()  # inspect_checkpoint.py --verify streams it through the checksum the same way
+    spec = importlib.util.spec_from_file_location(
+        "inspect_checkpoint", REPO / "scripts" / "inspect_checkpoint.py"
+    )
+    inspect_checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect_checkpoint)
+    problems = inspect_checkpoint.verify(store, rec["dir"])
+    assert problems == [
+        f"{store.url(rec['dir'] + '/' + name)}: longer than the {want['bytes']} bytes its commit records"
+    ]
+    assert counts[name][0] <= want["bytes"] + 1, counts
 
 
 # -- decisions taken from a commit use a verified one ------------------------------------------------

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
 from goodput.checkpoint.layout import step_dir
-from goodput.storage.checksum import CHECKSUM
+from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
 
 
@@ -29,16 +29,21 @@ WEIGHTS = {"model": "model", "ema": "ema.module"}
 def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, torch.Tensor]:
     """The full state dict of commit `rec` (from `CheckpointManager.committed()` or `parse_commit`)
     of the trained model (`weights="model"`) or of its EMA (`"ema"`, trainer.eval_on), every file
-    checked against the record as it downloads. Loads into the model class either way."""
+    checked against the record as it downloads, and none downloaded past its recorded size. Loads
+    into the model class either way."""
     if weights not in WEIGHTS:
         raise ExportError(f"weights must be one of {sorted(WEIGHTS)}, got {weights!r}")
     prefix = WEIGHTS[weights] + "."
     rel = rec.get("dir") or step_dir(rec["step"])
     with tempfile.TemporaryDirectory() as tmp:
         for name, want in rec["files"].items():
-            got = store.get(f"{rel}/{name}", os.path.join(tmp, name))
+            url = store.url(f"{rel}/{name}")
+            try:  # a file longer than its record stops at the recorded size, nothing more is copied
+                got = store.get(f"{rel}/{name}", os.path.join(tmp, name), limit=want["bytes"])
+            except TooLarge as e:
+                raise ExportError(f"{url}: {e}: it does not match its commit record") from None
             if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
-                raise ExportError(f"{store.url(rel + '/' + name)} does not match its commit record")
+                raise ExportError(f"{url} does not match its commit record")
         if rec["format"] == "torch_save":
             full = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)
             top, _, sub = WEIGHTS[weights].partition(".")

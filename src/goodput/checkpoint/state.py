@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from goodput.untrusted import RecordError
+
 log = logging.getLogger(__name__)
 
 
@@ -218,7 +220,12 @@ class AppState:
                 continue
             if k not in sd["extra"]:
                 raise KeyError(f"the checkpoint has no entry extra.{k}")
-            p.load_state_dict(decode(sd["extra"][k]))
+            try:
+                p.load_state_dict(decode(sd["extra"][k]))
+            except RecordError as e:  # a part that may be missing may be malformed: it starts over
+                if k not in self.optional:
+                    raise
+                log.warning("the checkpoint of step %d: %s; %s", step, e, self.optional[k])
         mine = sd.get(f"rank{self.rank}")
         for k, p in self.rank_parts.items():
             if mine is not None:

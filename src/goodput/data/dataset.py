@@ -123,13 +123,14 @@ class ImageFolder:
 
 def open_dataset(node: dict | None, storage: Storage, split: str, cache_dir: str | None = None):
     """The `data.dataset` node's class (default ImageFolder) listing `split`, built with instantiate.
-    A listing error (DataRootError naming the file, a storage error) reaches the caller as itself,
-    not wrapped in Hydra's InstantiationException."""
+    A listing error (DataRootError naming the file, a storage error) or another refusal of a dataset
+    class of your own (a UserError: UnsafePath, RecordError) reaches the caller as itself, not
+    wrapped in Hydra's InstantiationException."""
     node = node or {"_target_": f"{__name__}.ImageFolder"}
     try:
         return instantiate(node, storage=storage, split=split, cache_dir=cache_dir)
     except InstantiationException as e:
-        if isinstance(e.__cause__, OSError):  # DataRootError is a FileNotFoundError
+        if isinstance(e.__cause__, OSError | UserError):  # DataRootError is a FileNotFoundError
             raise e.__cause__ from None
         raise
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from goodput.storage.remote import Storage
-from goodput.untrusted import RecordError, field, parse_record
+from goodput.untrusted import RecordError, field, parse_record, set_aside
 
 log = logging.getLogger(__name__)
 _ATTEMPT = re.compile(r"([0-9]{4,})\.json")
@@ -201,12 +201,7 @@ class Attempts:
             except FileNotFoundError:
                 pass
             except RecordError as e:
-                aside = f"attempts/{k}.malformed-{int(time.time())}"
-                log.warning("%s; moving it to %s", e, self.storage.url(aside))
-                try:
-                    self.storage.mv(f"attempts/{k}", aside)
-                except Exception as mv_error:
-                    log.warning("could not move %s aside: %s", k, mv_error)
+                set_aside(self.storage, f"attempts/{k}", e)
         return out
 
 
@@ -224,12 +219,32 @@ def check_attempt(data: bytes, name: str, number: int) -> dict:
         field(rec, "resumed_from", int, what, minimum=0)
     field(rec, "last_seen", (int, float), what, default=0.0)
     recovery = field(rec, "recovery", dict, what, default=None)
-    if recovery is not None:  # read by goodput.resilience.recovery.summarize
+    if recovery is not None:  # read by goodput.resilience.recovery.summarize, copied to summary.json
         where = f"{what} recovery"
-        for v in field(recovery, "seconds", dict, where, default={}).values():
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise RecordError(f"{where}: a phase of {v!r} seconds")
+        _numbers(field(recovery, "seconds", dict, where, default={}), f"{where} seconds")
+        _numbers(field(recovery, "at", dict, where, default={}), f"{where} at")
         field(recovery, "total_seconds", (int, float), where, default=0.0)
+        field(recovery, "compile_seconds", (int, float), where, default=0.0)
+        field(recovery, "failure_source", str, where, default="")
         field(recovery, "rounds", int, where, default=1, minimum=1)
         field(recovery, "round", int, where, default=0, minimum=0)
+        _no_attempt(recovery, where)
+    paid = field(rec, "compile", dict, what, default=None)
+    if paid is not None:  # goodput.run.compiler.CompileClock.paid: summary.json's `compile`
+        where = f"{what} compile"
+        field(paid, "first_step_seconds", (int, float), where, minimum=0)
+        field(paid, "cache_source", (str, type(None)), where, default=None)
+        for key in set(paid) - {"first_step_seconds", "cache_source"}:  # artifacts loaded, cache hits
+            field(paid, key, int, where, minimum=0)
+        _no_attempt(paid, where)
     return rec
+
+
+def _numbers(values: dict, where: str) -> None:
+    for k in values:
+        field(values, k, (int, float), where)
+
+
+def _no_attempt(part: dict, where: str) -> None:
+    if "attempt" in part:  # the summary puts the record's own number first: this would overwrite it
+        raise RecordError(f"{where}: has an 'attempt' of its own")

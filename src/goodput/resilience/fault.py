@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from goodput.storage.remote import Storage
-from goodput.untrusted import parse_record
+from goodput.untrusted import RecordError, field, parse_record, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +198,22 @@ class Faults:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def fired(self) -> dict[str, dict]:
-        """The markers of the faults fired so far: name -> {time, rank, attempt} (empty for old markers)."""
+        """The markers of the faults fired so far and the watchdog's hang records: name -> {time,
+        rank, attempt, ...} (empty for old markers), each checked (check_marker). A malformed one is
+        moved aside with a warning naming it: a marker is no reason to crash every start. (The
+        marker of a drill is what keeps it from firing again: one moved aside fires once more.)"""
         out = {}
         for name in self.storage.ls("faults"):
             if name.endswith(".fired"):
+                rel = f"faults/{name}"
                 try:
-                    data = self.storage.read_bytes(f"faults/{name}") or b"{}"
-                    out[name] = parse_record(data, self.storage.url(f"faults/{name}"))
-                except (ValueError, FileNotFoundError):  # RecordError too: a marker is no reason to crash
+                    out[name] = check_marker(
+                        self.storage.read_bytes(rel) or b"{}", name, self.storage.url(rel)
+                    )
+                except FileNotFoundError:
                     pass
+                except RecordError as e:
+                    set_aside(self.storage, rel, e)
         return out
 
     def at_step(self, step: int) -> None:
@@ -278,3 +285,20 @@ class Faults:
             and self.rank == self.target_rank
         ):
             self._fire(f"kill_during_save-{step}")
+
+
+def check_marker(data: bytes, name: str, what: str) -> dict:
+    """A fault marker (time, rank, attempt, step: Faults._fire, _hang) or, for `hung-*`, a hang record
+    of the watchdog (attempt, detected, hung_seconds: goodput.resilience.watchdog), with every field
+    that goodput.resilience.recovery.failure_time and watchdog.hung_seconds read checked; RecordError
+    naming `what` otherwise."""
+    rec = parse_record(data, what)
+    field(rec, "time", (int, float), what, default=0.0)
+    field(rec, "rank", int, what, default=0, minimum=0)
+    field(rec, "attempt", int, what, default=0, minimum=0)
+    field(rec, "step", (int, type(None)), what, default=None)
+    if name.startswith("hung-"):
+        field(rec, "attempt", int, what, minimum=0)
+        field(rec, "detected", (int, float), what)
+        field(rec, "hung_seconds", (int, float), what, minimum=0)
+    return rec

@@ -175,7 +175,9 @@ class Trainer:
         cache = None
         if tr.compile:  # before the first call compiles anything
             remote = self.ckpt_store if tr.compile_cache_upload else None
-            cache = CompileCache(tr.compile_cache_dir, remote, d.rank, d.local_rank)
+            cache = CompileCache(
+                tr.compile_cache_dir, remote, d.rank, d.local_rank, tr.compile_cache_key_file
+            )
             cache.activate()
         self.compile_clock = CompileClock(tr.compile, cache)
         self.tracker = Tracker(

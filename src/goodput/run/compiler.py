@@ -15,9 +15,11 @@
   beside the checkpoints for a relaunch on a new node.
 
 A compile cache is code: inductor's entries are pickled graphs and generated Python/C++ that run when
-loaded. The local copy is as trusted as the node; an uploaded copy extends that trust to whoever can
-write the checkpoint dir, so it is off by default. A sha256 in a small header refuses a corrupt or
-truncated blob (and one from another torch version) with a warning; it cannot detect tampering.
+loaded, and torch writes each artifact to a path built from its key. So a copy read from the store is
+loaded only when it carries a valid HMAC of this run's job, and every copy (the node-local one too)
+only when its artifacts are what torch writes here (goodput.run.cache_trust). The local copy is as
+trusted as the node. A sha256 in the header refuses a corrupt or truncated blob (and one from
+another torch version) with a warning. Anything refused means a cold compile, never a crash.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from goodput.run import cache_trust
 from goodput.untrusted import UnsafePath, regular
 
 log = logging.getLogger(__name__)
@@ -101,21 +104,30 @@ def cache_counters() -> dict:
     }
 
 
-def wrap(payload: bytes) -> bytes:
+def wrap(payload: bytes, key: bytes | None = None) -> bytes:
+    """The envelope: magic, a JSON header (torch version, sha256, size; with `key`, an HMAC of the
+    header and payload: cache_trust.sign), the payload."""
     head = {"torch": torch.__version__, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+    if key is not None:
+        head["hmac"] = cache_trust.sign(key, _canonical(head), payload)
     return MAGIC + json.dumps(head).encode() + b"\n" + payload
 
 
-def unwrap(blob: bytes, where: str) -> bytes | None:
-    """The payload of a blob `wrap` made, or None (with a warning naming `where` and why)."""
-    why = None
+def _canonical(head: dict) -> bytes:
+    return json.dumps({k: v for k, v in head.items() if k != "hmac"}, sort_keys=True).encode()
+
+
+def unwrap(blob: bytes, where: str, key: bytes | None = None) -> bytes | None:
+    """The payload of a blob `wrap` made, or None (with a warning naming `where` and why). With
+    `key` (a copy from the store), the blob must carry this run's HMAC."""
+    why, head, payload = None, None, b""
     if not blob.startswith(MAGIC):
         why = "not a goodput compile cache (no header)"
     else:
         line, _, payload = blob[len(MAGIC) :].partition(b"\n")
         try:
             head = json.loads(line)
-        except ValueError:
+        except Exception:  # RecursionError too: the header is input
             head = None
         if not isinstance(head, dict):
             why = "unreadable header"
@@ -123,66 +135,88 @@ def unwrap(blob: bytes, where: str) -> bytes | None:
             why = f"written by torch {head.get('torch')}, this is {torch.__version__}"
         elif head.get("size") != len(payload) or head.get("sha256") != hashlib.sha256(payload).hexdigest():
             why = "checksum mismatch (corrupt or truncated)"
+        elif key is not None and not cache_trust.verify(key, _canonical(head), payload, head.get("hmac")):
+            why = "no valid HMAC of this run's job (written by someone else, for another run, or altered)"
     if why:
         log.warning("ignoring the compile cache %s: %s; compiling from scratch", where, why)
         return None
     return payload
 
 
-def load_artifacts(payload: bytes):
-    """torch.compiler.load_cache_artifacts, keeping every batch. save_cache_artifacts appends one
-    (type, artifacts) batch per call to the bytes it returns (cumulative), but load's parser turns
-    the batches into a dict by type: only the last batch of each type is loaded, and a process that
-    saved after its first step and again after its first evaluation would hand a new node the
-    eval graphs only. So: parse with torch's own reader, merge the batches, populate as load does.
-    Falls back to the public call where those private names are gone."""
+def load_artifacts(payload: bytes, where: str = "") -> object | None:
+    """Hand the artifacts to torch (its CacheInfo), or None with a warning naming `where`.
+
+    Every artifact is checked first (cache_trust.check_artifacts: only torch's own types, keys and
+    paths), so this parses with torch's reader and populates as torch.compiler.load_cache_artifacts
+    does, keeping every batch: save_cache_artifacts appends one (type, artifacts) batch per call to
+    the bytes it returns (cumulative), but load's parser turns the batches into a dict by type, so
+    only the last batch of each type is loaded, and a process that saved after its first step and
+    again after its first evaluation would hand a new node the eval graphs only. Without torch's
+    reader (private names gone in another torch) nothing is loaded: the artifacts cannot be checked."""
     try:
         from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
         from torch.utils._appending_byte_serializer import AppendingByteSerializer
-    except ImportError:
-        return torch.compiler.load_cache_artifacts(payload)
+    except ImportError as e:
+        log.warning("cannot check the compile cache %s (%s); compiling from scratch", where, e)
+        return None
     try:
         CacheArtifactManager._ensure_cache_artifacts_registered()
         batches = AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache)
-    except Exception as e:  # torch's own checksum, a short or garbled payload
-        log.warning("torch cannot parse the compile cache artifacts: %s", e)
+        why = cache_trust.check_artifacts(batches)
+    except Exception as e:  # torch's own checksum, a short or garbled payload, an unknown type
+        why = f"torch cannot parse its artifacts: {type(e).__name__}: {str(e)[:200]}"
+    if why is not None:
+        log.warning("ignoring the compile cache %s: %s; compiling from scratch", where, why)
         return None
     merged: dict[str, list] = {}
     for kind, artifacts in batches:
         seen = {a.key for a in merged.setdefault(kind, [])}
         merged[kind] += [a for a in artifacts if a.key not in seen]
-    return CacheArtifactManager.populate_caches(merged)
+    try:
+        return CacheArtifactManager.populate_caches(merged)
+    except Exception as e:  # a full disk, say: what was written is checked, the rest compiles
+        log.warning("could not load the compile cache %s: %s; compiling what is missing", where, e)
+        return None
 
 
 class CompileCache:
     """Inductor's cache dir and torch's portable artifacts under `local_dir` (node-local disk);
-    with `remote` (the checkpoint Storage), the artifacts are also uploaded there (rank 0)."""
+    with `remote` (the checkpoint Storage), the artifacts are also uploaded there (rank 0), signed
+    with the run's key from `key_file` (trainer.compile_cache_key_file), and a copy read from there
+    is loaded only with a valid signature. No usable key: the remote copy is neither read nor written."""
 
-    def __init__(self, local_dir: str, remote=None, rank: int = 0, local_rank: int = 0):
+    def __init__(
+        self, local_dir: str, remote=None, rank: int = 0, local_rank: int = 0, key_file: str | None = None
+    ):
         self.local_dir, self.remote = os.path.abspath(local_dir), remote
         self.rank, self.local_rank = rank, local_rank
         self.loaded = 0  # artifacts handed to torch at start (0: cold)
         self.source = None  # "local" | "remote" | None
+        self.key = self._run_key(key_file) if remote is not None else None
+
+    def _run_key(self, key_file: str | None) -> bytes | None:
+        try:
+            if key_file is None:
+                raise ValueError("no trainer.compile_cache_key_file")
+            return cache_trust.run_key(cache_trust.load_secret(key_file), self.remote.url())
+        except (OSError, ValueError) as e:
+            log.warning("compile cache beside the checkpoints not used (neither read nor written): %s", e)
+            return None
 
     def activate(self) -> None:
-        """Before anything compiles: point inductor at the node-local dir, load saved artifacts."""
+        """Before anything compiles: point inductor at the node-local dir, load saved artifacts:
+        the node's copy (trusted as the node), else the store's (only with this run's HMAC)."""
         os.makedirs(self.local_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.local_dir, "inductor")
-        for source, read in (("local", self._read_local), ("remote", self._read_remote)):
+        for source, read, key in (("local", self._read_local, None), ("remote", self._read_remote, self.key)):
             blob, where = read()
-            if blob is None:
-                continue
-            payload = unwrap(blob, where)
-            if payload is None:
-                continue
-            info = load_artifacts(payload)  # None (and torch's warning) if unreadable
-            if info is None:
-                log.warning("torch could not read the compile cache %s; compiling from scratch", where)
-                continue
-            self.loaded = sum(len(v) for v in info.artifacts.values())
-            self.source = source
-            log.info("compile cache: %d artifacts from %s", self.loaded, where)
-            return
+            payload = None if blob is None else unwrap(blob, where, key)
+            info = None if payload is None else load_artifacts(payload, where)
+            if info is not None:
+                self.loaded = sum(len(v) for v in info.artifacts.values())
+                self.source = source
+                log.info("compile cache: %d artifacts from %s", self.loaded, where)
+                return
 
     def _read_local(self):
         path = os.path.join(self.local_dir, ARTIFACTS)
@@ -196,16 +230,21 @@ class CompileCache:
             return None, path
 
     def _read_remote(self):
-        if self.remote is None:
+        if self.key is None:  # no store copy, or no key to check it with
             return None, None
         folder, _, name = REMOTE.rpartition("/")
-        size = self.remote.ls(folder).get(name)  # one listing: the kind of entry, not just its name
-        if size is None:
+        try:
+            size = self.remote.ls(folder).get(name)  # one listing: the kind of entry, not just its name
+            if size is not None and size < 0:  # DIR or FOREIGN (a link loads whatever it points at)
+                log.warning("compile cache %s is not a regular file; refused", self.remote.url(REMOTE))
+            if size is None or size < 0:
+                return None, None
+            return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
+        except Exception as e:  # a store that fails now: a cold compile, not a failed start
+            log.warning(
+                "could not read the compile cache %s: %s; compiling from scratch", self.remote.url(REMOTE), e
+            )
             return None, None
-        if size < 0:  # DIR or FOREIGN (a link would load whatever it points at: generated code)
-            log.warning("compile cache %s is not a regular file; refused", self.remote.url(REMOTE))
-            return None, None
-        return self.remote.read_bytes(REMOTE), self.remote.url(REMOTE)
 
     def save(self) -> None:
         """After a compile: everything compiled in this process so far (and what was loaded)."""
@@ -215,10 +254,10 @@ class CompileCache:
             out = torch.compiler.save_cache_artifacts()
             if out is None:
                 return
-            blob = wrap(out[0])
+            blob = wrap(out[0], self.key)
             if self.local_rank == 0:  # one writer per node: its ranks compile the same graphs
                 atomic_write(os.path.join(self.local_dir, ARTIFACTS), blob, durable=False)
-            if self.rank == 0 and self.remote is not None:
+            if self.rank == 0 and self.key is not None:
                 self.remote.write_bytes(REMOTE, blob)
         except Exception as e:  # a cache is an optimisation: never stop training for it
             log.warning("could not save the compile cache: %s", e)

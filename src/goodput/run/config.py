@@ -121,8 +121,16 @@ class TrainerConfig:
 
     compile_cache_upload: bool = False
     """Also keep the portable cache artifacts beside the checkpoints (`<checkpoint.dir>/compile_cache/`),
-    read by a relaunch on a node whose local cache is empty. Off by default: the cache is generated
-    code that runs when loaded, so this trusts whoever can write the checkpoint dir."""
+    read by a relaunch on a node whose local cache is empty. The cache is generated code that runs
+    when loaded: a copy from there is loaded only with a valid HMAC of this run's job (keyed by
+    compile_cache_key_file), else ignored with a warning (a cold compile). Off by default."""
+
+    compile_cache_key_file: str = "${paths.root}/keys/compile_cache.key"
+    """The secret that signs the uploaded compile cache (compile_cache_upload), never written to the
+    store. Created (random, mode 0600) on first use when missing; must be a regular file of this user
+    that nobody else may read, outside checkpoint.dir. Every node of a job must see the same file (a
+    shared paths.root, or a secret your scheduler provisions on each node), and nobody who may write
+    checkpoint.dir should be able to read it (docs/security.md)."""
 
     hang_timeout_s: float = 300.0
     """A rank that makes no progress between steps (no step done) for this long is hung: the

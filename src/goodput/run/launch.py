@@ -20,6 +20,7 @@ from goodput.resilience.preemption import LeaveStopToWorkers, hand_back
 from goodput.resilience.recovery import AgentPhases
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.run.context import RunContext
+from goodput.run.refusal import NoRestartOnRefusal
 from goodput.run.worker import worker
 
 
@@ -87,7 +88,7 @@ def _elastic(c: Config, ctx: RunContext) -> dict | None:
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctx.run_dir, "elastic")),
     )
     try:
-        with LeaveStopToWorkers():
+        with LeaveStopToWorkers(), NoRestartOnRefusal(ctx.run_dir):  # a UserError: one line, exit 2
             results = elastic_launch(lc, worker)(c, ctx)
     except RendezvousError as e:
         raise RendezvousUnreachable(

@@ -9,6 +9,8 @@ import logging
 import math
 import re
 
+from goodput.untrusted import RecordError, field
+
 log = logging.getLogger(__name__)
 
 _METRIC = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*)$")
@@ -92,6 +94,8 @@ class Best:
         return {"by": self.by, "mode": self.mode, "step": self.step, "value": self.value}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Checked as untrusted input (RecordError: AppState then starts the best over, warned)."""
+        _check(sd, "best", by=str, mode=str)
         if (sd.get("by"), sd.get("mode")) != (self.by, self.mode):
             if self.by is not None and sd.get("by") is not None:
                 log.warning(
@@ -99,7 +103,7 @@ class Best:
                     sd.get("by"), sd.get("mode"), self.by, self.mode,
                 )  # fmt: skip
             return
-        self.step, self.value = sd["step"], sd["value"]
+        self.step, self.value = _check(sd, "best", step=int, value=float)
 
 
 class EarlyStopping:
@@ -136,6 +140,31 @@ class EarlyStopping:
         return {"by": self.by, "best": self.best, "bad": self.bad, "stopped_at": self.stopped_at}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Checked as untrusted input (RecordError: AppState then starts the counter over, warned)."""
+        _check(sd, "early_stopping", by=str)
         if sd.get("by") != self.by:  # another monitor: its counter says nothing about this one
             return
-        self.best, self.bad, self.stopped_at = sd["best"], sd["bad"], sd["stopped_at"]
+        best, bad, stopped_at = _check(sd, "early_stopping", best=float, bad=int, stopped_at=int)
+        if bad is None:
+            raise RecordError(
+                "checkpoint entry extra.early_stopping: no count of evaluations without improvement ('bad')"
+            )
+        self.best, self.bad, self.stopped_at = best, bad, stopped_at
+
+
+def _check(sd: object, what: str, **kinds) -> list:
+    """The values of `kinds`' keys in a monitor's saved state `sd` (checkpoint entry extra.<what>),
+    each None or of its kind (float: any finite number; int: >= 0); RecordError naming the entry and
+    the key otherwise."""
+    where = f"checkpoint entry extra.{what}"
+    if not isinstance(sd, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(sd).__name__}")
+    out = []
+    for key, kind in kinds.items():
+        v = field(
+            sd, key, (int, float, type(None)) if kind is float else (kind, type(None)), where, default=None
+        )
+        if kind is int and v is not None:
+            field(sd, key, int, where, minimum=0)
+        out.append(v)
+    return out

@@ -20,12 +20,13 @@ from goodput import publish
 from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import resume
 from goodput.config import Config
+from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import PREEMPT_SIGNALS
-from goodput.run import loop
+from goodput.run import loop, refusal
 from goodput.run.build import Trainer
 from goodput.run.context import RunContext
 from goodput.run.evaluate import write_report
@@ -67,7 +68,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         return summary
     except BaseException as e:
         if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
-            fail_fast(e, t)
+            fail_fast(e, t, ctx.run_dir, d.rank)
         raise
     finally:
         if t is not None:
@@ -157,18 +158,24 @@ def write_summary(t: Trainer, result: dict) -> dict:
     return summary
 
 
-def fail_fast(e: BaseException, t: Trainer | None) -> None:
+def fail_fast(e: BaseException, t: Trainer | None, run_dir: str, rank: int) -> None:
     """A rank that failed under the elastic agent (usually: a peer died in a collective) has one job
     left: exit, because the agent restarts nobody until every rank of the group is gone. Python's
     own teardown (DataLoader workers joined, prefetch threads drained) takes seconds, and waiting
     for a checkpoint in flight can hang: its commit needs the dead peer (until the SIGTERM grace
     runs out; docs/benchmarks.md, "Recovery"). A save that did not commit is cleaned up by the next
     attempt. So: flush the MLflow queue (at most 2 s), leave the error file the agent reports (as
-    torch's @record would), and exit at once."""
+    torch's @record would), and exit at once. A refusal (UserError) is no reason to restart: it is
+    left for the agent's process to print as one line (goodput.run.refusal), exit REFUSED."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+    status = 1
     try:
-        log.error("rank failed, exiting for a restart: %r", e, exc_info=e)
+        if isinstance(e, UserError):
+            refusal.report(e, run_dir, rank)
+            status = refusal.REFUSED
+        else:
+            log.error("rank failed, exiting for a restart: %r", e, exc_info=e)
         if t is not None:
             flush = threading.Thread(target=t.tracker.close, args=("FAILED",), daemon=True)
             flush.start()
@@ -179,4 +186,4 @@ def fail_fast(e: BaseException, t: Trainer | None) -> None:
     finally:
         for h in logging.getLogger().handlers:
             h.flush()
-        os._exit(1)
+        os._exit(status)
