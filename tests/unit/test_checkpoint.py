@@ -322,3 +322,25 @@ def test_early_stopping_resumes_part_way_to_its_patience(tmp_path, dist1, backen
     assert rec["step"] == 4 and skipped == []
     assert es2.state_dict() == es.state_dict() and best2.state_dict() == best.state_dict()
     assert es.update({"val/loss": 0.9}, 5) and es2.update({"val/loss": 0.9}, 5)
+
+
+def test_every_save_and_the_last_wait_are_phases(tmp_path, dist1):
+    """The checkpoint manager declares its blocking parts: each save (with the wait for the previous
+    upload inside it) and the wait for the last upload after the loop."""
+    import contextlib
+
+    mgr, seen = manager(tmp_path, "dcp_async", dist1), []
+
+    @contextlib.contextmanager
+    def phase(what):
+        seen.append(what)
+        yield
+
+    mgr.phase = phase
+    app, *_ = make_app(1)
+    mgr.save(1, app)
+    mgr.save(2, app)
+    mgr.wait()
+    mgr.close()
+    assert seen[:3] == ["checkpoint save of step 1", "checkpoint save of step 2",
+                        "waiting for the last checkpoint upload"]  # fmt: skip

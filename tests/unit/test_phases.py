@@ -61,30 +61,6 @@ def test_a_phase_is_never_shorter_than_the_step_bound():
     assert Watchdog(timeout_s=5.0, first_timeout_s=1.0, rank=0, phase_timeout_s=1.0).phase_timeout_s == 5.0
 
 
-def test_every_save_and_the_last_wait_are_phases(tmp_path, dist1):
-    """The checkpoint manager declares its blocking parts: each save (with the wait for the previous
-    upload inside it) and the wait for the last upload after the loop."""
-    import contextlib
-
-    from helpers import make_app, manager
-
-    mgr, seen = manager(tmp_path, "dcp_async", dist1), []
-
-    @contextlib.contextmanager
-    def phase(what):
-        seen.append(what)
-        yield
-
-    mgr.phase = phase
-    app, *_ = make_app(1)
-    mgr.save(1, app)
-    mgr.save(2, app)
-    mgr.wait()
-    mgr.close()
-    assert seen[:3] == ["checkpoint save of step 1", "checkpoint save of step 2",
-                        "waiting for the last checkpoint upload"]  # fmt: skip
-
-
 @pytest.fixture
 def fired(monkeypatch):
     """Every watchdog of the in-process job records what it would have ended the rank for."""
