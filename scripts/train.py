@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from goodput import logs  # noqa: E402
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
 from goodput.run.job import AlreadyDone, prepare  # noqa: E402
@@ -31,6 +32,7 @@ CONF = str(Path(__file__).resolve().parent.parent / "conf")
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Returns the value of the metric an hparams search optimizes (hydra.sweeper.metric), if any."""
+    logs.setup()  # goodput.logs: MLflow's lines and warnings in the format of Hydra's (conf/hydra)
     hc = HydraConfig.get()
     suffix = None
     if hc.mode == RunMode.MULTIRUN:
