@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from goodput import logs  # noqa: E402
+from goodput import logs, targets  # noqa: E402
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
 from goodput.run.job import AlreadyDone, prepare  # noqa: E402
@@ -38,6 +38,7 @@ def main(cfg: DictConfig) -> float | None:
     if hc.mode == RunMode.MULTIRUN:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
+        targets.check(cfg, hc.overrides.task, dict(hc.runtime.choices))  # a swapped _target_'s old keys
         c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
     except AlreadyDone as e:
         log.info("%s", e)
