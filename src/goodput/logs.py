@@ -4,7 +4,9 @@ warnings all reach the root logger's handlers and print as
 
     2026-12-02 01:05:52,326 INFO rank0 goodput.checkpoint.manager: checkpoint step 4 committed in 0.15s
 
-`job` instead of `rank<N>` is the job process (before it runs a rank, or the elastic agent's)."""
+`job` instead of `rank<N>` is the job process (before it runs a rank, or the elastic agent's). The
+run dir's `train.log` gets the same lines: Hydra's file handler in the job process, and rank 0 of
+the elastic agent's workers appends to it (their lines would reach only the console)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 import warnings
 
 FORMAT = "%(asctime)s %(levelname)s %(who)s %(name)s: %(message)s"
+FILE = "train.log"  # in the run dir: the name conf/hydra/default.yaml gives Hydra's file handler
 _who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "job"  # torchrun/srun: a rank from the start
 
 # MLflow gives these loggers a handler of its own (its format) and stops them propagating.
@@ -35,17 +38,22 @@ class Formatter(logging.Formatter):
         return super().format(record)
 
 
-def setup(rank: int | None = None) -> None:
+def setup(rank: int | None = None, run_dir: str | None = None) -> None:
     """This process prints in FORMAT: the root logger's handlers (Hydra's console and file handlers in
     the job process; a stderr handler in an elastic worker, which has none) get Formatter, MLflow's
     loggers propagate to them, and warnings are logged as one line each. `rank`: from now on lines
-    say `rank<N>`. Idempotent."""
+    say `rank<N>`; rank 0 of an elastic worker group also appends to `<run_dir>/train.log` (unless
+    a handler of this process writes it already: Hydra's, under torchrun). Idempotent."""
     global _who
     if rank is not None:
         _who = f"rank{rank}"
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))
+    path = os.path.abspath(os.path.join(run_dir, FILE)) if run_dir else None
+    elastic = rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ
+    if elastic and path and path not in {getattr(h, "baseFilename", None) for h in root.handlers}:
+        root.addHandler(logging.FileHandler(path))  # appends, as Hydra's does
     for h in root.handlers:
         h.setFormatter(Formatter())
     root.setLevel(logging.INFO)

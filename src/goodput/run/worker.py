@@ -45,7 +45,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     recovery.mark("imports_done")  # this module is imported before `worker` is called
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
-    logs.setup(d.rank)
+    logs.setup(d.rank, ctx.run_dir)
     ctx = _rank0_view(ctx, d)
     t, finished = None, False
     try:
