@@ -22,9 +22,10 @@ _who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "job"  # torchru
 
 # MLflow gives these loggers a handler of its own (its format) and stops them propagating.
 MLFLOW_LOGGERS = ("mlflow", "sqlalchemy.engine", "alembic", "huey")
-# Status chatter at INFO that asks nothing of the user ("Skip logging GPU metrics. Set logger level
-# to DEBUG..." on every CPU run, "Started/Stopping monitoring", "Creating initial database tables").
-QUIET = ("mlflow.system_metrics", "mlflow.store.db.utils")
+# Status chatter at INFO on every run that asks nothing of the user ("Skip logging GPU metrics. Set
+# logger level to DEBUG for more details." on CPU, "Started/Stopping monitoring system metrics").
+# (MLflow's "Creating initial MLflow database tables..." stays: once per store, it explains a pause.)
+QUIET = ("mlflow.system_metrics",)
 
 
 class Formatter(logging.Formatter):

@@ -77,7 +77,8 @@ def test_one_log_format_and_no_known_harmless_warning(slurm_log):
     assert any(" goodput.publish: MLflow model " in line for line in lines)  # the export ran
     assert "torch.distributed is disabled" not in text  # DCP's warning on the one-process read
     assert "Warning" not in text and "py.warnings" not in text, text
-    assert "mlflow.system_metrics" not in text and "mlflow.store.db" not in text  # MLflow's chatter
+    assert "mlflow.system_metrics" not in text  # MLflow's chatter on every run
+    assert " INFO job mlflow.store.db.utils: Creating initial MLflow database tables" in text  # kept
 
 
 def test_the_run_dirs_train_log_holds_the_whole_log(slurm_log):
