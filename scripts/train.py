@@ -20,6 +20,7 @@ from hydra.errors import CompactHydraException  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from goodput import logs, targets  # noqa: E402
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
 
@@ -34,11 +35,13 @@ def main(cfg: DictConfig) -> dict | None:
     from goodput.run.job import AlreadyDone, prepare
     from goodput.run.launch import RendezvousUnreachable, launch
 
+    logs.setup()  # goodput.logs: MLflow's lines and warnings in the format of Hydra's (conf/hydra)
     hc = HydraConfig.get()
     sweep, suffix = hc.mode == RunMode.MULTIRUN, None
     if sweep:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
+        targets.check(cfg, hc.overrides.task, dict(hc.runtime.choices))  # a swapped _target_'s old keys
         c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
     except AlreadyDone as e:
         log.info("%s", e)

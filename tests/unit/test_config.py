@@ -169,7 +169,7 @@ def test_checks_live_in_the_schema():
         ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last must be >= 1"),
         ("data", {"on_bad_sample": "ignore"}, "data.on_bad_sample must be error|skip"),
         ("fault", {"chaos_p": 2.0}, "fault.chaos_p must be in [0, 1]"),
-        ("trainer", {"progress": "sometimes"}, "trainer.progress must be auto|true|false"),
+        ("trainer", {"progress": "sometimes"}, "trainer.progress must be auto|bar|lines|true|false"),
         ("augment", {"train": [{"_target_": V2 + "CenterCrop", "size": 8}]}, "3 x 32 x 32"),
     ]:
         bad = {**c, key: {**c[key], **value}}

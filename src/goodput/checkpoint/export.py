@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
 from goodput.checkpoint.layout import step_dir
+from goodput.logs import known_warning
 from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
 
@@ -59,7 +60,9 @@ def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, 
                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
             }
             if sd:
-                dcp.load(sd, storage_reader=reader, no_dist=True)
+                # One process reads the whole model on purpose (no_dist); DCP warns that it assumes so.
+                with known_warning("torch.distributed is disabled", "torch.distributed.checkpoint"):
+                    dcp.load(sd, storage_reader=reader, no_dist=True)
         if not sd:
             raise ExportError(
                 f"{store.url(rel)} holds no {weights} weights ({prefix}*)"

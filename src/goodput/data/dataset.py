@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import logging
 import os
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
@@ -23,7 +26,13 @@ from goodput.untrusted import why_unsafe
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+# The files a class folder's listing takes as images (case-insensitive): the formats Pillow reads
+# (goodput.data.dataset.decode). A fixed list, not Pillow's registry: adding an extension changes
+# which files a dataset lists (its sample order, the checkpoints' data position), so it is a choice
+# made here, not by a Pillow upgrade.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm",
+                    ".pbm", ".pnm", ".tga", ".jp2", ".avif")  # fmt: skip
+_FAST = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")  # JPEG, PNG: torchvision's decoders
 
 
 class BadSampleError(UserError, RuntimeError):
@@ -32,6 +41,18 @@ class BadSampleError(UserError, RuntimeError):
 
 class DataRootError(UserError, FileNotFoundError):
     """The dataset root, a split or a class folder is missing or empty."""
+
+
+def check_same_classes(train: list[str], val: list[str], root: str) -> None:
+    """train/ and val/ hold the same classes (label i names the same class in both), or a
+    DataRootError naming the classes only one side has."""
+    if train == val:
+        return
+    only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    raise DataRootError(
+        f"{root}: train/ and val/ must hold the same classes; only in train/: {only_train or 'none'}, "
+        f"only in val/: {only_val or 'none'}" + ("" if only_train or only_val else " (ordered differently)")
+    )
 
 
 class ImageFolder:
@@ -90,7 +111,10 @@ class ImageFolder:
             imgs = [r for r in by_class.get(cls, []) if r.lower().endswith(IMAGE_EXTENSIONS)]
             others = [r for r in by_class.get(cls, []) if not r.lower().endswith(IMAGE_EXTENSIONS)]
             if others:
-                log.warning("ignoring %d non-image file(s) in %s, e.g. %s", len(others), cls, others[0])
+                log.warning(
+                    "ignoring %d file(s) in %s that are not images, e.g. %s (images: %s)",
+                    len(others), storage.url(f"{split}/{cls}"), others[0], " ".join(IMAGE_EXTENSIONS),
+                )  # fmt: skip
             if not imgs:
                 raise DataRootError(f"class folder {storage.url(split + '/' + cls)} holds no images")
             files += [f"{split}/{r}" for r in imgs]
@@ -224,6 +248,22 @@ class _ListingCache:
             log.debug("could not cache the listing of %s: %s", self.root, e)
 
 
+def decode(data: bytes) -> torch.Tensor:
+    """An image file's bytes as RGB, uint8 [3, H, W]. JPEG and PNG go through torchvision's decoders
+    (the fast path; a file they refuse falls back too), every other format (and IMAGE_EXTENSIONS
+    lists them) through Pillow: the first frame of an animation or the first page of a TIFF, with
+    Image.convert("RGB") (alpha dropped, as torchvision's RGB mode does). The same bytes give the
+    same tensor; a lossless file gives the same tensor by either path."""
+    if data.startswith(_FAST):
+        try:
+            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = np.asarray(im.convert("RGB"))
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+
+
 def seeded(transform, img: torch.Tensor, seed: int) -> torch.Tensor:
     """transform(img) with the global CPU RNG seeded to `seed` for the call, then restored.
 
@@ -279,13 +319,14 @@ class ImageDataset(torch.utils.data.Dataset):
         except FileNotFoundError as e:
             raise BadSampleError(f"cannot read {self.source.storage.url(rel)}: {e}") from e
         try:
-            img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            img = decode(data)
         except Exception as e:
             if self.on_bad_sample == "skip":
                 return self._blank(index, hit=int(hit), nbytes=nbytes, ok=0)
+            why = "not an image format Pillow reads" if isinstance(e, UnidentifiedImageError) else repr(e)
             raise BadSampleError(
-                f"cannot decode {self.source.storage.url(rel)} as an image ({e}); fix or remove the file, "
-                f"or set data.on_bad_sample=skip"
+                f"cannot decode {self.source.storage.url(rel)} as an image ({why}); fix or remove the "
+                f"file, or set data.on_bad_sample=skip"
             ) from e
         if self.train:
             x = seeded(self.transform, img, sample_seed(self.seed, epoch, index))

@@ -21,8 +21,8 @@ from goodput.data import augment as augmentation
 from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig
 from goodput.data.dataset import ImageDataset
-from goodput.data.sampler import OrderHash, StepBatchSampler
-from goodput.errors import IncompatibleCheckpoint
+from goodput.data.sampler import OrderHash, StepBatchSampler, dropped_per_epoch
+from goodput.errors import IncompatibleCheckpoint, UserError
 from goodput.resilience.signals import obey_parent_only, signals_blocked
 from goodput.storage.remote import Storage
 
@@ -48,7 +48,49 @@ class QuietWorkersLoader(DataLoader):
 
     def __iter__(self):
         with signals_blocked():
-            return super().__iter__()
+            return _PlainErrors(super().__iter__())
+
+
+class _PlainErrors:
+    """A DataLoader iterator whose refusals (UserError: a file that does not decode, ...) arrive as
+    the worker raised them. torch re-raises a worker's exception as the same type with "Caught X in
+    DataLoader worker process N. Original Traceback ..." pasted into its message, and the message
+    is what the entry point prints as its one line (the worker's traceback stays in the debug log)."""
+
+    def __init__(self, it):
+        self.it = it
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.it)
+
+    def __next__(self) -> dict:
+        try:
+            return next(self.it)
+        except UserError as e:
+            plain = raised_in_worker(e)
+            if plain is None:
+                raise
+            log.debug("%s", e)
+            error = type(e)(plain)
+        # The refusal ends the run: stop the workers now. torch's re-raised copy sits in a reference
+        # cycle with the iterator, and a persistent iterator also stays with its DataLoader, so they
+        # would live until interpreter exit, be killed there, and print a traceback of their own.
+        shutdown = getattr(self.it, "_shutdown_workers", None)  # torch's own teardown (private)
+        if shutdown is not None:
+            shutdown()
+        raise error
+
+
+def raised_in_worker(e: BaseException) -> str | None:
+    """The message a DataLoader worker's exception had, from torch's re-raised copy (None if `e`
+    is not such a copy): what follows the last `module.Class: ` of the pasted traceback."""
+    msg, name = str(e), f"{type(e).__module__}.{type(e).__qualname__}: "
+    if not (msg.startswith("Caught ") and "Original Traceback" in msg and name in msg):
+        return None
+    return msg[msg.rfind(name) + len(name) :].strip()
 
 
 def open_split(cfg: DataConfig, storage: Storage, split: str):
@@ -105,6 +147,9 @@ class ResumableLoader:
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
         self.order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
+        dropped = dropped_per_epoch(len(self.files), global_batch_size, world)
+        if dropped and rank == 0:
+            log.warning("%s", dropped)
         train_tf = augmentation.build(augment, cfg.image_size)[0]  # the `augment` node; None = its defaults
         self.dataset = ImageDataset(
             self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, train_tf

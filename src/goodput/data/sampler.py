@@ -14,13 +14,20 @@ from functools import lru_cache
 
 import torch
 
+from goodput.errors import UserError
+
+
+class DatasetTooSmall(UserError, ValueError):
+    """Fewer training samples than one global batch: not one step could be taken."""
+
 
 class GlobalOrder:
     def __init__(self, num_samples: int, global_batch_size: int, seed: int):
         if num_samples < global_batch_size:
-            raise ValueError(
-                f"dataset has {num_samples} samples, fewer than one global batch "
-                f"(trainer.global_batch_size={global_batch_size})"
+            raise DatasetTooSmall(
+                f"the training split has {num_samples} samples, fewer than one global batch "
+                f"(trainer.global_batch_size={global_batch_size}): set trainer.global_batch_size to at "
+                f"most {num_samples} (divisible by the world size), or add samples"
             )
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
@@ -43,6 +50,22 @@ class GlobalOrder:
     def rank_batch(self, step: int, rank: int, world: int) -> list[int]:
         b = self.global_batch_size // world
         return self.global_batch(step)[rank * b : (rank + 1) * b].tolist()
+
+
+def dropped_per_epoch(num_samples: int, global_batch_size: int, world: int) -> str | None:
+    """A warning when the last partial global batch, dropped each epoch, is more than a tenth of
+    the epoch (None otherwise): the numbers, and a batch size that drops less."""
+    n, g = num_samples, global_batch_size
+    drop = n % g
+    if drop * 10 <= n:
+        return None
+    better = next((b for b in range(g, 0, -1) if b % world == 0 and n % b * 10 <= n), None)
+    fix = f"trainer.global_batch_size={better} drops {n % better}, or add samples" if better else ""
+    return (
+        f"{n} training samples, global batch {g}: each epoch uses {n - drop} and drops {drop} "
+        f"({round(100 * drop / n)}%, a different {drop} each epoch: the order is reshuffled). To use "
+        f"more of each epoch: {fix or 'add samples'}"
+    )
 
 
 def _mix(*ints: int) -> int:

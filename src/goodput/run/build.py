@@ -18,6 +18,7 @@ from goodput.checkpoint import AppState, CheckpointManager, RNGState
 from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.manager import view as commits_view
 from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
+from goodput.data.dataset import check_same_classes
 from goodput.data.loader import ResumableLoader, eval_loader
 from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Ledger
@@ -88,10 +89,7 @@ class Trainer:
         )  # fmt: skip
         local_bs = tr.global_batch_size // d.world
         self.val_loader = eval_loader(dc, data_store, local_bs, d.rank, d.world, d.device, c.augment)
-        if self.val_loader.dataset.files.classes != self.loader.files.classes:
-            raise ValueError(
-                f"val/ classes {self.val_loader.dataset.files.classes} differ from train/ classes"
-            )
+        check_same_classes(self.loader.files.classes, self.val_loader.dataset.files.classes, dc.root)
         recovery.mark("data_listed")
 
         wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)

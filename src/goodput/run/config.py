@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from goodput.run.monitor import check_metric
+from goodput.run.progress import MODES as PROGRESS
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
@@ -38,7 +39,14 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms: bit-identical reruns and resumes, at some speed cost on GPU."""
 
     progress: Any = "auto"
-    """Progress bar: `auto` = only on a terminal; true | false."""
+    """What rank 0 shows while training (goodput.run.progress): `auto` = tqdm's bar on a terminal,
+    log lines otherwise (a file, a SLURM log); `bar` (or true), `lines`, or false = neither.
+    Evaluations print one line each (val loss, accuracy) unless false."""
+
+    progress_every_s: float = 30.0
+    """Progress lines: at most one per this many seconds (step/max_steps, loss, lr, images/s, ETA),
+    printed at a step that logs metrics (trainer.log_every_n_steps), so the loss it shows costs no
+    extra device sync; the first logged step and the last step always print. 0 = every logged step."""
 
     signal_grace_seconds: int = 10
     """After a preemption signal (TERM, INT, USR1, USR2), exit hard if the step boundary is not
@@ -212,8 +220,10 @@ class TrainerConfig:
             e.append(f"trainer.early_stopping_min_delta must be >= 0, got {self.early_stopping_min_delta}")
         if self.early_stopping_mode not in (None, "max", "min"):
             e.append(f"trainer.early_stopping_mode must be max|min|null, got {self.early_stopping_mode!r}")
-        if self.progress not in ("auto", True, False):
-            e.append(f"trainer.progress must be auto|true|false, got {self.progress!r}")
+        if self.progress not in PROGRESS:
+            e.append(f"trainer.progress must be auto|bar|lines|true|false, got {self.progress!r}")
+        if not self.progress_every_s >= 0:
+            e.append(f"trainer.progress_every_s must be >= 0, got {self.progress_every_s}")
         if str(self.precision) not in ("32", "bf16-mixed", "16-mixed"):
             e.append(f"trainer.precision must be 32|bf16-mixed|16-mixed, got {self.precision!r}")
         if self.micro_batch_size is not None and not (

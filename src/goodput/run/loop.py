@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
-
-from tqdm import tqdm
 
 from goodput.resilience.accounting import sync_point
 from goodput.resilience.preemption import StopSignal
 from goodput.run.evaluate import default_top_k, evaluate
 from goodput.run.observe import gather_ranks, rank_stats
+from goodput.run.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +35,7 @@ def train(t) -> dict:
     log_every = max(1, tr.log_every_n_steps)
     eval_every = tr.eval_every_n_steps
     stop = StopSignal(tr.signal_grace_seconds)
-    show = tr.progress
-    show = sys.stderr.isatty() if show == "auto" else bool(show)
-    bar = tqdm(total=max_steps, initial=t.loader.step, disable=not (show and d.rank == 0), dynamic_ncols=True)
+    progress = Progress(tr.progress, tr.progress_every_s, t.loader.step, max_steps, d.rank)
 
     step = t.loader.step
     sync = sync_point(d.device)
@@ -78,18 +74,14 @@ def train(t) -> dict:
             perf = reduce_perf(window["step"] / n, window["fetch"] / n, window["images"] // n, d.world)
             t.stragglers.check(perf, step)
             perf.update(t.mfu(perf))
-            metrics = {"train/loss": loss_val, "train/lr": t.scheduler.get_last_lr()[0], **t.step.metrics()}
+            lr = t.scheduler.get_last_lr()[0]
+            metrics = {"train/loss": loss_val, "train/lr": lr, **t.step.metrics()}
             t.tracker.log({**metrics, **perf}, step)
             t.tracker.log(t.loader.stats(), step)
-            bar.set_postfix(
-                loss=f"{loss_val:.3f}",
-                fetch=f"{perf['perf/fetch_seconds']:.3f}s",
-                img_s=f"{perf['perf/images_per_second']:.0f}",
-                refresh=False,
-            )
+            progress.logged(step, loss_val, lr, perf["perf/images_per_second"], perf["perf/fetch_seconds"])
             window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
         t.step_done(step)  # how far this attempt got (lost work after a crash); async, never blocks
-        bar.update(1)
+        progress.advance()
 
         if (eval_every and step % eval_every == 0) or step == max_steps:
             te = time.perf_counter()
@@ -103,6 +95,7 @@ def train(t) -> dict:
             t.goodput.add("eval", time.perf_counter() - te - compiling)
             val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
             t.tracker.log(metrics, step)
+            progress.evaluated(step, metrics)
             t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
             early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
 
@@ -121,7 +114,7 @@ def train(t) -> dict:
             log.warning("early stopping at step %d: %s", step, t.early_stopping.detail())
             break
 
-    bar.close()
+    progress.close()
     t.profiler.stop()  # a run that ended inside the profiled steps still writes its trace
     stop.restore()
     tw = time.perf_counter()

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from goodput import publish
+from goodput import logs, publish
 from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import resume
 from goodput.config import Config
@@ -46,6 +46,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     recovery.mark("imports_done")  # this module is imported before `worker` is called
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
+    logs.setup(d.rank, ctx.run_dir)
     ctx = _rank0_view(ctx, d)
     t, finished = None, False
     try:
@@ -82,7 +83,7 @@ def _process_defaults(c: Config) -> None:
         for sig in PREEMPT_SIGNALS:  # a worker from the forkserver inherits SIG_IGN (forkserver_init):
             if signal.getsignal(sig) == signal.SIG_IGN:  # until the loop handles them, a stop
                 signal.signal(sig, signal.SIG_DFL)  # request ends the process, as it always did
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", force=True)
+    logs.setup()  # goodput.logs: the job's one format (an elastic worker starts with no handler)
     torch.set_num_threads(c.trainer.num_threads)
     if c.trainer.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, set before its first use; without

@@ -1,0 +1,93 @@
+"""The `_target_` nodes a command line may swap (the model, the optimizer, the LR schedule): each
+must receive only keys its new target takes.
+
+`model._target_=torchvision.models.resnet18` on the command line keeps every other key of the
+selected option file (small_cnn's `width: 32`): Hydra merges an override into the node. A target
+without **kwargs then fails on its call with a TypeError, one with **kwargs (torchvision's model
+builders) takes the key silently, and mobilenet_v3_small ignores it. So before any work a key the
+target does not take by name is refused, naming it, the target and the option-file way, when the
+target cannot take it at all, or when the target was swapped on the command line and the key was
+not set there (it came with the old option: a **kwargs would swallow it). A key the command line
+set itself for a **kwargs target is the user's call (docs/config.md, "Swapping a target")."""
+
+from __future__ import annotations
+
+import inspect
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+from goodput.config import ConfigError
+
+# node -> (its group, how the command line drops a key of it: the schedule is a typed node, whose
+# keys Hydra cannot delete, so the whole group goes and the node is given whole)
+SWAPPABLE = {
+    "model": ("model", "~model.{key}"),
+    "optim.optimizer": ("optim", "~optim.optimizer.{key}"),
+    "optim.schedule": (
+        "optim/schedule",
+        "~optim/schedule 'optim.schedule={{_target_:{target},_partial_:true,...}}'",
+    ),
+}
+META = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}  # instantiate's, not the target's
+
+
+def check(cfg: DictConfig, overrides: list[str], choices: dict) -> None:
+    """Raise ConfigError (one line) for the keys of SWAPPABLE nodes their target does not take.
+    `overrides`: the command line's (Hydra's task overrides); `choices`: the selected options."""
+    on_cli = set_by(overrides)
+    problems = []
+    for path, (group, drop) in SWAPPABLE.items():
+        node = OmegaConf.select(cfg, path)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        target = node["_target_"]
+        taken, var_kw = parameters(target)
+        if taken is None:
+            continue  # not introspectable (or not found: instantiate then names it)
+        swapped = f"{path}._target_" in on_cli
+        # a **kwargs target may be meant to take a key the command line set, or one its option had
+        suspect = [k for k in node if not (var_kw and (f"{path}.{k}" in on_cli or not swapped))]
+        foreign = [k for k in suspect if k not in META and k not in taken]
+        if not foreign:
+            continue
+        keys = ", ".join(f"{path}.{k}" for k in foreign)
+        where = f"conf/{group}/{choices.get(group)}.yaml" if swapped else "the config"
+        why = (
+            "it names no such parameter: its **kwargs would pass it on unchecked"
+            if var_kw
+            else "no such parameter"
+        )
+        undo = " ".join(dict.fromkeys(drop.format(key=k, target=target) for k in foreign))
+        problems.append(
+            f"{keys} (from {where}) would be passed to {target}, which does not take it ({why}). "
+            f"A new target goes in its own option file, conf/{group}/<name>.yaml with `_target_: {target}` "
+            f"and only its own keys, selected with {group}=<name>; or on the command line: {undo}"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def set_by(overrides: list[str]) -> set[str]:
+    """The keys these overrides set (a dict value sets each of its keys); deletions set none."""
+    out = set()
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.is_delete():
+            continue
+        key, value = o.key_or_group, o.value()
+        out.add(key)
+        if isinstance(value, dict):
+            out |= {f"{key}.{k}" for k in value}
+    return out
+
+
+def parameters(target: str) -> tuple[set[str] | None, bool]:
+    """(the names `target` takes as keywords, whether it takes **kwargs); (None, False) when it
+    cannot be found or has no signature."""
+    try:
+        params = inspect.signature(get_object(target)).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None, False
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
