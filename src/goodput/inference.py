@@ -70,8 +70,6 @@ def load(
     build besides nn.Module classes and torchvision builders."""
     if is_mlflow(source):
         return _load_mlflow(source, device)
-    if weights is None:  # the run's own choice, when the source is a checkpoint that says it
-        weights = _eval_on(source, step)
     got = read_weights(source, weights, step)
     spec = got.spec()
     model = spec.build(allow)
@@ -80,16 +78,6 @@ def load(
     except RuntimeError as e:  # strict: names every missing and unexpected key, and shape
         raise SpecError(f"{got.origin}: the weights do not fit its model record: {str(e)[:600]}") from None
     return Loaded(model.eval().to(device), spec, got.origin, got.step, got.weights, got.commit)
-
-
-def _eval_on(source: str, step: int | None) -> str:
-    from goodput.checkpoint.export import is_safetensors, locate
-
-    if is_safetensors(source):
-        return "model"
-    _, recs = locate(source, step)
-    v = recs[0].get("eval_on")
-    return v if v in ("model", "ema") else "model"
 
 
 def _load_mlflow(uri: str, device: str) -> Loaded:

@@ -182,37 +182,37 @@ def test_predict_from_the_checkpoint_the_export_and_the_mlflow_model_agree(singl
 
 def test_init_from_starts_a_new_run_from_the_weights_and_a_relaunch_resumes_its_own(single_run, tmp_path):
     """With lr 0 nothing changes the weights: the new run's model is the source's, bit for bit.
-    Killed at step 6, the relaunch resumes its own step 4 (the source was step 12)."""
+    Killed at step 6, the relaunch resumes its own step 4 and never reads the source again (it is
+    gone by then: re-initialising from it would fail)."""
+    import shutil
+
     _, s = single_run
-    cfg = [f"run.init_from={s['checkpoint_dir']}", "optim.optimizer.lr=0.0", "fault.kill_at_step=6"]
-    first, _ = run_train(tmp_path, *cfg, expect_rc=-9)
-    assert (
-        f"run.init_from: the model starts from {s['checkpoint_dir']}/step-000000012 (step 12)" in first.stderr
-    )
-    again, s2 = run_train(tmp_path, *cfg)
-    assert (
-        "run.init_from=" in again.stderr
-        and "not applied: this run resumed its own checkpoint (step 4)" in again.stderr
-    )
+    source = str(tmp_path / "source")
+    shutil.copytree(s["checkpoint_dir"], source)
+    cfg = [f"run.init_from={source}", "optim.optimizer.lr=0.0", "fault.kill_at_step=6"]
+    first, _ = run_train(tmp_path / "new", *cfg, expect_rc=-9)
+    assert f"run.init_from: the model starts from {source}/step-000000012 (step 12)" in first.stderr
+    shutil.rmtree(source)
+    again, s2 = run_train(tmp_path / "new", *cfg)
+    assert "not applied: this run resumed its own checkpoint (step 4)" in again.stderr
     assert s2["resumed_from_steps"] == [4] and s2["steps"] == 12 and s2["restarts"] == 1
     assert s2["model_sha256"] == s["model_sha256"]
 
 
-def the_error(p) -> str:
-    """The one line a refused launch printed (stdout or stderr: the job's log or a worker's), no traceback."""
+def the_error(p, text: str) -> str:
+    """The one line of a refused launch's output (the job's log on stdout, or a worker's on stderr)
+    that says `text`, with no traceback anywhere."""
     out = p.stdout + p.stderr
     assert "Traceback" not in out, out[-3000:]
-    (line,) = [x for x in out.splitlines() if "ERROR" in x]
+    (line,) = [x for x in out.splitlines() if text in x]
     return line
 
 
 def test_init_from_weights_that_do_not_fit_or_are_not_there_is_one_line_exit_2(single_run, tmp_path):
     _, s = single_run
     p, _ = run_train(tmp_path, f"run.init_from={s['checkpoint_dir']}", "model.width=16", expect_rc=2)
-    line = the_error(p)
-    assert (
-        "does not fit this run's model" in line and "blocks.0.0.weight (32, 3, 3, 3) vs (16, 3, 3, 3)" in line
-    )
+    line = the_error(p, "does not fit this run's model")
+    assert "shapes differ (source vs this model): blocks.0.0.weight (32, 3, 3, 3) vs (16, 3, 3, 3)" in line
     p, _ = run_train(tmp_path / "b", f"run.init_from={tmp_path}/none", expect_rc=2)
-    assert f"run.init_from={tmp_path}/none: {tmp_path}/none: no such directory" in the_error(p)
+    the_error(p, f"run.init_from={tmp_path}/none: {tmp_path}/none: no such directory")
     assert not (tmp_path / "b" / "mlflow.db").exists()  # refused before the MLflow run was opened

@@ -54,7 +54,7 @@ def test_a_good_record_builds_its_model_and_the_eval_view():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"node": {"_target_": "os.system", "command": "touch /tmp/pwned"}}, "neither an nn.Module class"),
+        ({"node": {"_target_": "os.system", "command": "touch {tmp}/pwned"}}, "neither an nn.Module class"),
         ({"node": {"_target_": "builtins.eval", "source": "1"}}, "neither an nn.Module class"),
         ({"node": {"_target_": "subprocess.Popen", "args": "true"}}, "neither an nn.Module class"),  # a class
         (
@@ -76,10 +76,12 @@ def test_a_good_record_builds_its_model_and_the_eval_view():
     ],
 )
 def test_a_hostile_or_malformed_record_is_refused_naming_the_field(change, message, tmp_path):
-    """Whoever writes the store writes the record: nothing it names is called unless it is a model."""
+    """Whoever writes the store writes the record: nothing it names is called unless it is a model
+    (planted without the check, make_dataset wrote a dataset where the record said)."""
+    change = json.loads(json.dumps(change).replace("{tmp}", str(tmp_path)))
     with pytest.raises(SpecError, match=message):
         ModelSpec.parse(record(**change), "COMMIT.json").build()
-    assert not os.path.exists("/tmp/pwned")
+    assert not os.path.exists(tmp_path / "pwned")
 
 
 def test_a_record_missing_or_not_an_object():
@@ -158,6 +160,21 @@ def test_init_from_is_not_applied_when_the_run_resumed_its_own_checkpoint(tmp_pa
         assert init_from(mgr, app, rec, src, CLASSES, Storage) is None
     assert same(app.model.state_dict(), own.model.state_dict())  # its own step 4, not the source
     assert "not applied: this run resumed its own checkpoint (step 4)" in caplog.text
+    mgr.close()
+
+
+def test_init_from_other_class_names_of_the_same_number_train_on_with_a_warning(tmp_path, dist1, caplog):
+    src, trained = source_run(tmp_path / "src", dist1)
+    mgr = manager(tmp_path / "new", "dcp_sync", dist1)
+    app, _ = fresh_app(2)
+    others = ["a", "b", "c", "d"]
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoint.resume"):
+        init_from(mgr, app, None, src, others, Storage)
+    assert same(app.model.state_dict(), trained.state_dict())
+    assert (
+        "was trained on classes ['cross', 'disc', 'square', 'triangle'], this run's are ['a', 'b'"
+        in caplog.text
+    )
     mgr.close()
 
 
@@ -261,6 +278,30 @@ def test_the_test_split_is_evaluated_when_present_and_refused_naming_it_when_abs
     other = ["cross", "disc", "ring", "square"]  # the model's classes are not the split's
     with pytest.raises(InputError, match=r"missing there: \['ring'\], not trained on: \['triangle'\]"):
         evaluation_loader(loaded_of(other), root, node, "test", 5, 0)
+
+
+def test_the_data_record_is_checked_and_the_root_can_be_moved():
+    from goodput.inference import data_of
+
+    m = loaded_of()
+    node = {"_target_": "goodput.data.dataset.CsvManifest", "manifest": "{split}.csv"}
+    m.commit = {"data": {"root": "/data/shapes", "dataset": node}}
+    assert data_of(m, None) == ("/data/shapes", node)
+    assert data_of(m, "/moved") == ("/moved", node)  # --data-root
+    popen = {"_target_": "subprocess.Popen", "args": "true"}
+    nested = {"_target_": "goodput.data.dataset.ImageFolder", "x": {"_target_": "os.system"}}
+    for bad, message in [
+        ({"root": "/d", "dataset": popen}, "not an ImageFolder class"),
+        ({"root": "/d", "dataset": nested}, "key x._target_ is refused"),
+        ({"root": "nope://d"}, "unknown storage protocol"),
+        ([], "not an object"),
+    ]:  # fmt: skip
+        m.commit = {"data": bad}
+        with pytest.raises(SpecError, match=message):
+            data_of(m, None)
+    m.commit = None  # a safetensors export or an MLflow model: no data record
+    with pytest.raises(SpecError, match="names no dataset .*pass --data-root"):
+        data_of(m, None)
 
 
 # -- images -------------------------------------------------------------------------------------

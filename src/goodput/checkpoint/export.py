@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from goodput.checkpoint.backends import SafeFileSystemReader
 from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.layout import parse_step, step_dir
-from goodput.checkpoint.spec import ModelSpec
+from goodput.checkpoint.spec import FIELDS, ModelSpec
 from goodput.errors import UserError
 from goodput.storage.checksum import CHECKSUM
 from goodput.storage.remote import Storage
@@ -155,25 +155,27 @@ def locate(source: str, step: int | None = None, open_storage: Callable[[str], S
 
 def read_weights(
     source: str,
-    weights: str = "model",
+    weights: str | None = "model",
     step: int | None = None,
     open_storage: Callable[[str], Storage] = Storage,
 ) -> Weights:
     """The full state dict of `source` (see the module docstring), checked byte for byte against its
     commit record as it downloads; a checkpoint dir gives its newest commit that verifies (a corrupt
-    newer one is skipped with a warning). A safetensors file gives the weights it holds."""
+    newer one is skipped with a warning). `weights` None: those the run evaluated (its commit's
+    `eval_on`). A safetensors file gives the weights it holds."""
     store, candidates = locate(source, step, open_storage)
     if store is None:
         return _read_safetensors(candidates[0])
     for i, rec in enumerate(candidates):
+        which = weights or (rec.get("eval_on") if rec.get("eval_on") in WEIGHTS else "model")
         try:
-            sd = model_state(store, rec, weights)
+            sd = model_state(store, rec, which)
         except CorruptCheckpoint as e:
             if i + 1 == len(candidates):  # an explicit step, or no older commit left
                 raise
             log.warning("skipping %s: %s", store.url(rec["dir"]), e)
             continue
-        return Weights(sd, rec.get("model"), store.url(rec["dir"]), rec["step"], weights, rec)
+        return Weights(sd, rec.get("model"), store.url(rec["dir"]), rec["step"], which, rec)
     raise SourceError(f"{source}: no committed checkpoint")
 
 
@@ -186,8 +188,8 @@ def _read_safetensors(path: str) -> Weights:
             sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except (SafetensorError, OSError, ValueError) as e:
         raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
-    fields = {k: meta[k] for k in ("node", "classes", "image_size", "mean", "std") if k in meta}
-    record = ModelSpec.from_metadata(meta, path) if fields else None
+    # no field at all: an export of an older goodput (weights only); some: a malformed record
+    record = ModelSpec.from_metadata(meta, path) if any(k in meta for k in FIELDS) else None
     step = meta.get("step", "")
     return Weights(sd, record, path, int(step) if step.isascii() and step.isdigit() else None,
                    meta.get("weights", "model"))  # fmt: skip
