@@ -213,6 +213,20 @@ def test_init_from_weights_that_do_not_fit_or_are_not_there_is_one_line_exit_2(s
     p, _ = run_train(tmp_path, f"run.init_from={s['checkpoint_dir']}", "model.width=16", expect_rc=2)
     line = the_error(p, "does not fit this run's model")
     assert "shapes differ (source vs this model): blocks.0.0.weight (32, 3, 3, 3) vs (16, 3, 3, 3)" in line
-    p, _ = run_train(tmp_path / "b", f"run.init_from={tmp_path}/none", expect_rc=2)
-    the_error(p, f"run.init_from={tmp_path}/none: {tmp_path}/none: no such directory")
+    # a source that is not there: refused by the job before any worker (in this process: the job's
+    # first phase is where it decides; scripts/train.py prints a UserError as one line, exit 2)
+    from helpers import compose_train
+
+    from goodput.checkpoint.export import SourceError
+    from goodput.errors import UserError
+    from goodput.run.job import prepare
+
+    cfg = compose_train(
+        ["experiment=smoke", f"paths.root={tmp_path / 'b'}", f"run.init_from={tmp_path}/none"]
+    )
+    with pytest.raises(
+        SourceError, match=f"run.init_from={tmp_path}/none: {tmp_path}/none: no such directory"
+    ):
+        prepare(cfg, str(tmp_path / "b" / "run"))
+    assert issubclass(SourceError, UserError)
     assert not (tmp_path / "b" / "mlflow.db").exists()  # refused before the MLflow run was opened

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import os
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
@@ -328,3 +331,51 @@ def test_images_in_any_format_pillow_opens_and_bad_ones_named(tmp_path, with_tes
         image_files([str(tmp_path / "empty")])
     files = image_files([os.path.join(root, "val"), str(tmp_path / "x.bmp")])
     assert len(files) == 9 and files[-1].endswith("x.bmp") and files[:8] == sorted(files[:8])
+
+
+def test_a_corrupt_newest_commit_is_skipped_and_a_named_one_refused(tmp_path, dist1, caplog):
+    from helpers import two_steps
+
+    from goodput.checkpoint.export import CorruptCheckpoint
+
+    mgr, app, remote = two_steps(tmp_path, dist1)  # steps 1 and 2, other weights
+    shard = next(p for p in (remote / "step-000000002").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit flipped: only the checksum sees it
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoint.export"):
+        got = read_weights(str(remote))
+    assert got.step == 1 and "skipping" in caplog.text and "step-000000002" in caplog.text
+    with pytest.raises(CorruptCheckpoint, match="does not match its commit record"):
+        read_weights(str(remote), step=2)
+    mgr.close()
+
+
+def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
+    import runpy
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "predict.py"))["main"]
+    root, _ = with_test
+    image = os.path.join(root, "test", "disc", "000000.jpg")
+    bare = tmp_path / "bare.safetensors"  # weights without a model record (an older export)
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(bare))
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG not really")
+    good = tmp_path / "good.safetensors"
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(good), ModelSpec.parse(record(), "x").metadata())
+    for argv, message in [
+        ([str(bare), image], "bare.safetensors has no model record"),
+        ([str(good), str(tmp_path / "missing.jpg")], "missing.jpg: no such file or folder"),
+        ([str(good), str(tmp_path / "bad.png")], "bad.png: cannot decode as an image"),
+        ([str(tmp_path / "nothing"), image], "no such directory"),
+    ]:
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert main(argv) == 2, argv
+        assert message in err.getvalue() and err.getvalue().count("\n") == 1, err.getvalue()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([str(good), image]) == 0
+    header, row = list(csv.reader(io.StringIO(out.getvalue())))
+    assert header == ["path", "class", "probability", "top4"] and row[0] == image and row[1] in CLASSES

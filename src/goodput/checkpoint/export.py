@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,7 +76,9 @@ def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, 
                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
             }
             if sd:
-                dcp.load(sd, storage_reader=reader, no_dist=True)
+                with warnings.catch_warnings():  # one process on purpose: DCP says it assumed so
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                    dcp.load(sd, storage_reader=reader, no_dist=True)
         if not sd:
             raise ExportError(
                 f"{store.url(rel)} holds no {weights} weights ({prefix}*)"
@@ -127,10 +130,12 @@ def locate(source: str, step: int | None = None, open_storage: Callable[[str], S
     if one is not None and step is not None and step != one:
         raise SourceError(f"{source} is the step dir of step {one}, but --step {step} was given")
     root = parent if one is not None else path
-    if "://" not in root and not os.path.isdir(root):
-        raise SourceError(
-            f"{root}: no such directory (a run's checkpoint dir, or one step-NNNNNNNNN dir in it)"
-        )
+    if "://" not in root:  # local: absolute, so what it names (a tag, a log line) holds from anywhere
+        if not os.path.isdir(root):
+            raise SourceError(
+                f"{root}: no such directory (a run's checkpoint dir, or one step-NNNNNNNNN dir in it)"
+            )
+        root = os.path.abspath(root)
     store = open_storage(root)
     commits = Commits(store)
     want = one if one is not None else step

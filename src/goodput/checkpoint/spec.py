@@ -74,8 +74,8 @@ class ModelSpec:
         """A spec from an untrusted record, every field checked; SpecError naming `what` and the field."""
         if rec is None:
             raise SpecError(
-                f"{what} has no model record (written before goodput recorded one): retrain, or evaluate "
-                f"it by hand (docs/outputs.md, loading the model)"
+                f"{what} has no model record (written before goodput recorded one): load its weights "
+                f"into the model class yourself (docs/outputs.md, loading the model)"
             )
         if not isinstance(rec, dict):
             raise SpecError(f"{what}: the model record is a {type(rec).__name__}, not an object")
