@@ -10,7 +10,9 @@ checkpoint's commit record (a run records them in every commit; `--data-root` po
 the data moved). It prints loss, accuracy, top-k and the per-class table, and logs the same metrics,
 `per_class.csv` and `confusion_matrix.png` as an MLflow run nested under the training run (tags
 `goodput.evaluates=<training run id>`, `goodput.checkpoint`, `goodput.checkpoint_step`,
-`goodput.weights`, `goodput.split`, `goodput.model_sha256`). A split the dataset lacks, a step that
+`goodput.weights`, `goodput.split`, `goodput.model_sha256`), in the run's own store (the mlflow.db of
+the paths.root the checkpoint dir is under) unless --tracking-uri or MLFLOW_TRACKING_URI says
+otherwise. A split the dataset lacks, a step that
 is not committed, a directory without checkpoints: one line, exit 2.
 """
 
@@ -28,6 +30,21 @@ from goodput.run.evaluate import default_top_k, evaluate, write_report
 DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from the repository root
 
 
+def default_store(checkpoint: str) -> str:
+    """MLFLOW_TRACKING_URI, else the run's own store: the `mlflow.db` of the paths.root the checkpoint
+    dir lies under (<root>/checkpoints/<run>[/<trial>][/step-N]), if there is one; else DEFAULT_STORE.
+    Found from the path you gave, never from what a record says."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if "://" not in checkpoint:
+        here = os.path.abspath(checkpoint)
+        for _ in range(4):
+            here = os.path.dirname(here)
+            if os.path.isfile(os.path.join(here, "mlflow.db")):
+                return f"sqlite:///{os.path.join(here, 'mlflow.db')}"
+    return DEFAULT_STORE
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a run's checkpoint dir, one step dir in it, or a .safetensors export")
@@ -42,11 +59,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=0, help="DataLoader processes (0 = this one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also keep per_class.csv and confusion_matrix.png in this folder")
-    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_STORE))
+    p.add_argument("--tracking-uri", help=f"the MLflow store (default: the run's own, else {DEFAULT_STORE})")
     p.add_argument("--no-mlflow", action="store_true", help="print only")
     p.add_argument("--allow-target", action="append", default=[], help="trust this model _target_ too")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     a = p.parse_args(argv)
+    a.tracking_uri = a.tracking_uri or default_store(a.checkpoint)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(a)

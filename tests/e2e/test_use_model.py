@@ -70,15 +70,16 @@ def single_run(tmp_path_factory):
     return root, s
 
 
-def test_evaluate_a_2_rank_dcp_checkpoint_gives_the_runs_own_final_evaluation(ddp_run):
+def test_evaluate_a_2_rank_dcp_checkpoint_gives_the_runs_own_final_evaluation(ddp_run, monkeypatch):
     import mlflow
 
     root, s = ddp_run
     ck = s["checkpoint_dir"]
     rec = newest_commit(ck)
     assert (rec["backend"], rec["world_size"], rec["step"]) == ("dcp_sync", 2, 12)
-    uri = f"sqlite:///{root}/mlflow.db"
-    rc, out, err = script("evaluate.py", ck, "--json", "--tracking-uri", uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{root}/mlflow.db"  # the run's own store: found from the checkpoint dir
+    rc, out, err = script("evaluate.py", ck, "--json")
     assert rc == 0, err
     got = json.loads(out)
     assert got["weights"] == "ema" and got["step"] == 12  # what the run evaluated (trainer.eval_on)
