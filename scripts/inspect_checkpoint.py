@@ -12,7 +12,9 @@ loaded, so they fail the check only when named directly.
 
 --export writes the model's full state dict (DCP shards of any world size gathered) as safetensors:
 tensors only, loadable without unpickling anything (safetensors.torch.load_file), the step, backend
-and world size in its metadata. Load it into the model class the run used (`model.load_state_dict`).
+and world size in its metadata, and the run's model record (its `_target_` node, class names, image
+size, mean and std: what scripts/predict.py needs). Load it into the model class the run used
+(`model.load_state_dict`).
 `--weights ema` exports the EMA of the weights instead (a run with trainer.ema_decay; the weights
 trainer.eval_on=ema evaluated and logged to MLflow).
 """
@@ -23,6 +25,7 @@ import sys
 
 from goodput.checkpoint.export import ExportError, model_state, save_safetensors
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
+from goodput.checkpoint.spec import ModelSpec, SpecError
 from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
 
@@ -88,6 +91,11 @@ def export(store: Storage, row: dict, out: str, weights: str = "model") -> None:
         sys.exit(f"{e}: not exporting")
     meta = {"step": str(row["step"]), "backend": str(row["backend"]), "world_size": str(row["world_size"]),
             "weights": weights}  # fmt: skip
+    if rec.get("model") is not None:  # (a commit of an older goodput has none: the export says less)
+        try:
+            meta.update(ModelSpec.parse(rec["model"], store.url(rec["dir"])).metadata())
+        except SpecError as e:
+            sys.exit(f"{e}: not exporting")
     save_safetensors(model, out, meta)
     print(
         f"wrote {len(model)} {weights} tensors of step {row['step']} ({row['backend']}) "

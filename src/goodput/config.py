@@ -82,6 +82,14 @@ class RunConfig:
     overwrite: bool = False
     """With resume=none: discard an existing run's checkpoints."""
 
+    init_from: str | None = None
+    """Start a new run from these weights: another run's checkpoint dir (its newest commit that
+    verifies) or one step dir of it (a path or fsspec URL), or a local `.safetensors` export. The model only
+    (and its EMA): optimizer, LR schedule, step and data position start fresh. Names and shapes must
+    match this run's model exactly (another num_classes is an error that says so). Applied only when
+    the run starts fresh: once the run has a commit of its own, a relaunch resumes that instead.
+    It changes what is trained."""
+
     lock_stale_seconds: int = 120
     """A run lock without heartbeat for this long belongs to a dead job and is taken over. Shorter
     relaunches faster after a crash; too short lets a slow-but-alive job be joined by a second one."""

@@ -3,6 +3,14 @@
 model with a signature and an input example, tagged with its model_sha256 and checkpoint step, and
 registers it when `mlflow.registered_model_name` is set.
 
+It is logged as the pickled module (`serialization_format="pickle"`), not MLflow 3's default
+torch.export program: `mlflow.pytorch.load_model` then returns the model class itself, an
+`nn.Module` whose `.eval()`, `.to()` and `state_dict()` work (the exported program's `.eval()`
+raises NotImplementedError), with the run's model record (goodput.checkpoint.spec: class names,
+image size, normalization, the `_target_` node) as its `goodput` attribute and in the MLmodel
+metadata. The price: loading it unpickles, so it runs code from the artifact store
+(docs/security.md); the checkpoint and the safetensors export stay the pickle-free ways.
+
 The weights come from the checkpoint, not from the live model: no collective (rank 0 alone, after
 the others are done), no gathering under FSDP, and the tag names exactly the commit they came
 from. Training is over when this runs, and it runs on a thread bounded by `timeout_s`
@@ -24,6 +32,7 @@ from goodput.checkpoint.export import model_state
 from goodput.model import model_sha256
 
 if TYPE_CHECKING:
+    from goodput.checkpoint.spec import ModelSpec
     from goodput.config import Config
 
 log = logging.getLogger(__name__)
@@ -32,11 +41,11 @@ SOURCES = ("final", "best", "none")
 
 
 def log_model(
-    c: Config, run_id: str | None, ckpt, example: torch.Tensor, num_classes: int, timeout_s: float = 600.0
+    c: Config, run_id: str | None, ckpt, example: torch.Tensor, spec: ModelSpec, timeout_s: float = 600.0
 ) -> str | None:
-    """Log (and maybe register) the model of the run's final or best commit to MLflow run `run_id`;
-    returns its model URI (`models:/...`, for mlflow.pytorch.load_model), or None when off or when
-    logging failed."""
+    """Log (and maybe register) the model of the run's final or best commit to MLflow run `run_id`,
+    with `spec` (the run's model record); returns its model URI (`models:/...`, for
+    mlflow.pytorch.load_model), or None when off or when logging failed."""
     source, name = c.mlflow.log_model, c.mlflow.registered_model_name
     if source == "none" or run_id is None:
         return None
@@ -48,7 +57,7 @@ def log_model(
 
     def work():
         try:
-            out[0] = _log(c, run_id, ckpt, step, source, name, example, num_classes)
+            out[0] = _log(c, run_id, ckpt, step, source, name, example, spec)
         except Exception as e:
             log.warning(
                 "could not log the model of step %d to MLflow (%s: %s); the checkpoint %s is the model",
@@ -71,7 +80,7 @@ def bounded(fn, timeout_s: float, what: str) -> bool:
     return True
 
 
-def _log(c, run_id, ckpt, step, source, registered_name, example, num_classes) -> str:
+def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     import mlflow
     import mlflow.pytorch
     from mlflow.models import infer_signature
@@ -80,9 +89,10 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, num_classes) -
     if rec is None:
         raise FileNotFoundError(f"no committed checkpoint of step {step}")
     eval_on = c.trainer.eval_on  # the weights the run evaluated
-    model = instantiate(c.model, num_classes=num_classes)
+    model = instantiate(c.model, num_classes=spec.num_classes)
     model.load_state_dict(model_state(ckpt.storage, rec, eval_on))
     model.eval()
+    model.goodput = spec.record()  # pickled with the module: the loaded model says how to feed it
     x = example.detach().cpu().float().numpy()
     with torch.no_grad():
         y = model(example.detach().cpu().float()).numpy()
@@ -96,6 +106,8 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, num_classes) -
             name="model",
             signature=infer_signature(x, y),
             input_example=x,
+            serialization_format="pickle",  # an nn.Module when loaded (see the module docstring)
+            metadata={"goodput": spec.record()},
             registered_model_name=registered_name,
             # Given, not inferred: inference loads the model in a fresh interpreter (seconds).
             pip_requirements=mlflow.pytorch.get_default_pip_requirements(),

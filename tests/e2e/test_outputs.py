@@ -126,6 +126,16 @@ def test_early_stopping_counts_evaluations_and_resumes_mid_count():
     assert run(b, seq[5:], first=5) == 7
 
 
+CLASSES = ["disc", "ring", "square", "triangle"]
+
+
+def _spec(c):
+    """The model record of a 4-class run of config `c` (what build.Trainer records from the data)."""
+    from goodput.checkpoint.spec import ModelSpec
+
+    return ModelSpec.of(c, CLASSES, 16)
+
+
 def _mlflow_run(tmp_path, experiment: str, artifact_location: str, *overrides) -> tuple:
     """A checked config that logs the final model (SmallCNN of width 8) to a fresh MLflow run, and the run."""
     from omegaconf import OmegaConf
@@ -155,7 +165,7 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     mgr.wait()
     x = torch.randn(4, 3, 16, 16)
     c, run_id = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
-    uri = publish.log_model(c, run_id, mgr, x[:2], num_classes=4)
+    uri = publish.log_model(c, run_id, mgr, x[:2], _spec(c))
     assert uri is not None and uri.startswith("models:/")
     mlflow.set_tracking_uri(c.mlflow.tracking_uri)
     loaded = mlflow.pytorch.load_model(uri)
@@ -164,12 +174,22 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
         assert torch.equal(loaded(x), app.model(x))  # a batch of 4: the batch dimension stayed free
     info = mlflow.get_logged_model(uri.rsplit("/", 1)[-1])
     assert info.tags["model_sha256"] == model_sha256(app.model) and info.tags["checkpoint_step"] == "5"
+    # a torch module (the torch.export program's .eval() raised NotImplementedError), with its record
+    assert isinstance(loaded, torch.nn.Module) and loaded.train() is loaded and loaded.training
+    assert loaded.eval() is loaded and not loaded.training and loaded.to("cpu", torch.float64) is loaded
+    want = app.model.state_dict()
+    got = loaded.to(torch.float32).state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    node = {"_target_": "goodput.model.SmallCNN", "width": 8}
+    record = {"node": node, "classes": CLASSES, "image_size": 16, "mean": [0.5] * 3, "std": [0.25] * 3}
+    assert loaded.goodput == record
+    assert mlflow.models.get_model_info(uri).metadata == {"goodput": record}
     assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions
 
     (tmp_path / "not-a-dir").write_text("")  # an artifact store that cannot be written
     c, run_id = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
     with caplog.at_level(logging.WARNING, logger="goodput.publish"):
-        assert publish.log_model(c, run_id, mgr, x[:2], num_classes=4) is None
+        assert publish.log_model(c, run_id, mgr, x[:2], _spec(c)) is None
     assert "could not log the model of step 5 to MLflow" in caplog.text
     mgr.close()
 
@@ -297,7 +317,7 @@ def test_eval_on_ema_exports_and_logs_the_ema_weights(tmp_path, dist1, backend):
         c, run_id = _mlflow_run(
             tmp_path, "ema", str(tmp_path / "artifacts"), "trainer.ema_decay=0.5", "trainer.eval_on=ema"
         )
-        uri = publish.log_model(c, run_id, mgr, x[:2], num_classes=4)
+        uri = publish.log_model(c, run_id, mgr, x[:2], _spec(c))
         assert uri is not None
         mlflow.set_tracking_uri(c.mlflow.tracking_uri)
         loaded = mlflow.pytorch.load_model(uri)

@@ -457,6 +457,9 @@ PHASES = {
     ("run", "name"): {"goodput.run.job", "goodput.run.build"},
     # an explicit checkpoint is checked before the workers start (job); the workers load it (worker).
     ("run", "resume"): {"goodput.run.job", "goodput.run.worker"},
+    # a warm start's source is checked to be there before a fresh start begins (job); the workers
+    # load its weights when they resumed nothing of the run (worker).
+    ("run", "init_from"): {"goodput.run.job", "goodput.run.worker"},
     # the job starts the MLflow run; rank 0's Tracker logs to it (build).
     ("mlflow", "tracking_uri"): {"goodput.run.job", "goodput.run.build"},
     # the job creates or checks the data (and hands the opened root to the source's `prepare`),

@@ -1,25 +1,46 @@
 """The model out of a committed checkpoint, whole, on CPU: for `inspect_checkpoint.py --export` (a
-safetensors file) and for the model logged to MLflow. Any backend, any world size: DCP shards
-(DDP or FSDP, N ranks) are gathered into full tensors by DCP's own planner, on one process."""
+safetensors file), the model logged to MLflow, scripts/evaluate.py and predict.py and
+`run.init_from`. Any backend, any world size: DCP shards (DDP or FSDP, N ranks) are gathered into
+full tensors by DCP's own planner, on one process.
+
+A *source* of weights is a run's checkpoint dir (its newest commit whose bytes verify), one step dir
+of it (or the dir with `step`), or a safetensors export; `read_weights` returns its tensors and its
+model record (goodput.checkpoint.spec), whichever it is."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
-from goodput.checkpoint.layout import step_dir
+from goodput.checkpoint.commits import Commits
+from goodput.checkpoint.layout import parse_step, step_dir
+from goodput.checkpoint.spec import FIELDS, ModelSpec
+from goodput.errors import UserError
 from goodput.logs import known_warning
 from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
 
+log = logging.getLogger(__name__)
 
-class ExportError(RuntimeError):
+
+class ExportError(UserError, RuntimeError):
     pass
+
+
+class CorruptCheckpoint(ExportError):
+    """A file of a commit whose bytes differ from its record."""
+
+
+class SourceError(UserError, FileNotFoundError):
+    """A source of weights that is not there: no checkpoint dir, no commit at that step, no file."""
 
 
 # trainer.eval_on -> the checkpoint group holding those weights (goodput.checkpoint.state: the EMA
@@ -42,9 +63,9 @@ def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, 
             try:  # a file longer than its record stops at the recorded size, nothing more is copied
                 got = store.get(f"{rel}/{name}", os.path.join(tmp, name), limit=want["bytes"])
             except TooLarge as e:
-                raise ExportError(f"{url}: {e}: it does not match its commit record") from None
+                raise CorruptCheckpoint(f"{url}: {e}: it does not match its commit record") from None
             if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
-                raise ExportError(f"{url} does not match its commit record")
+                raise CorruptCheckpoint(f"{url} does not match its commit record")
         if rec["format"] == "torch_save":
             full = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)
             top, _, sub = WEIGHTS[weights].partition(".")
@@ -78,3 +99,107 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: str, metadata: dict[str,
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, tmp, metadata=metadata)
     os.replace(tmp, path)
+
+
+@dataclass
+class Weights:
+    """The tensors of a source and what it says about them."""
+
+    state: dict[str, torch.Tensor]
+    record: object  # the model record as stored (None: the source has none); `spec()` checks it
+    origin: str  # the step dir's URL or the file's path
+    step: int | None
+    weights: str  # "model" or "ema"
+    commit: dict | None = None  # the commit record (checkpoint sources)
+
+    def spec(self) -> ModelSpec:
+        if isinstance(self.record, ModelSpec):
+            return self.record
+        return ModelSpec.parse(self.record, self.origin)
+
+
+def is_safetensors(source: str) -> bool:
+    return source.endswith(".safetensors")
+
+
+def locate(source: str, step: int | None = None, open_storage: Callable[[str], Storage] = Storage):
+    """(storage, commit records to try, newest first) of a checkpoint source, or (None, [path]) of a
+    safetensors file. Cheap (listings and commit records only); SourceError when there is nothing."""
+    if is_safetensors(source):
+        if not os.path.isfile(source):
+            raise SourceError(f"{source}: no such safetensors file")
+        return None, [source]
+    path = source.rstrip("/")
+    parent, _, name = path.rpartition("/")
+    one = parse_step(name) if parent else None
+    if one is not None and step is not None and step != one:
+        raise SourceError(f"{source} is the step dir of step {one}, but --step {step} was given")
+    root = parent if one is not None else path
+    if "://" not in root:  # local: absolute, so what it names (a tag, a log line) holds from anywhere
+        if not os.path.isdir(root):
+            raise SourceError(
+                f"{root}: no such directory (a run's checkpoint dir, or one step-NNNNNNNNN dir in it)"
+            )
+        root = os.path.abspath(root)
+    store = open_storage(root)
+    commits = Commits(store)
+    want = one if one is not None else step
+    try:
+        if want is not None:
+            rec = commits.read_commit(step_dir(want))
+            if rec is None:
+                have = [r["step"] for r in commits.committed()]
+                raise SourceError(
+                    f"{store.url(step_dir(want))}: not a committed checkpoint (committed steps: {have})"
+                )
+            return store, [rec]
+        committed = commits.committed()
+    except OSError as e:  # an unreachable store, a path that is a file
+        if isinstance(e, SourceError):
+            raise
+        raise SourceError(f"{source}: cannot list checkpoints there ({e})") from e
+    if not committed:
+        raise SourceError(f"{source}: no committed checkpoint (step-NNNNNNNNN/COMMIT.json) there")
+    return store, committed
+
+
+def read_weights(
+    source: str,
+    weights: str | None = "model",
+    step: int | None = None,
+    open_storage: Callable[[str], Storage] = Storage,
+) -> Weights:
+    """The full state dict of `source` (see the module docstring), checked byte for byte against its
+    commit record as it downloads; a checkpoint dir gives its newest commit that verifies (a corrupt
+    newer one is skipped with a warning). `weights` None: those the run evaluated (its commit's
+    `eval_on`). A safetensors file gives the weights it holds."""
+    store, candidates = locate(source, step, open_storage)
+    if store is None:
+        return _read_safetensors(candidates[0])
+    for i, rec in enumerate(candidates):
+        which = weights or (rec.get("eval_on") if rec.get("eval_on") in WEIGHTS else "model")
+        try:
+            sd = model_state(store, rec, which)
+        except CorruptCheckpoint as e:
+            if i + 1 == len(candidates):  # an explicit step, or no older commit left
+                raise
+            log.warning("skipping %s: %s", store.url(rec["dir"]), e)
+            continue
+        return Weights(sd, rec.get("model"), store.url(rec["dir"]), rec["step"], which, rec)
+    raise SourceError(f"{source}: no committed checkpoint")
+
+
+def _read_safetensors(path: str) -> Weights:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
+    # no field at all: an export of an older goodput (weights only); some: a malformed record
+    record = ModelSpec.from_metadata(meta, path) if any(k in meta for k in FIELDS) else None
+    step = meta.get("step", "")
+    return Weights(sd, record, path, int(step) if step.isascii() and step.isdigit() else None,
+                   meta.get("weights", "model"))  # fmt: skip

@@ -3,16 +3,30 @@
 `run.resume` is `auto` (the newest commit of this run), `none` (start fresh), or a committed step
 dir of this run's `checkpoint.dir`. An elastic restart always continues from the newest commit:
 re-applying `none` or an explicit step would throw the progress since then away.
+
+`run.init_from` (a warm start) applies only when nothing of the run itself was loaded: the weights of
+another run's checkpoint or export go into the model (and its EMA); the optimizer, the LR schedule,
+the step and the data position stay as a fresh start has them. A relaunch of such a run finds its
+own commit and resumes that.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.optim.swa_utils import AveragedModel
 
+from goodput.checkpoint.export import Weights, read_weights
 from goodput.checkpoint.manager import CheckpointManager
 from goodput.checkpoint.state import AppState
+from goodput.errors import IncompatibleCheckpoint, UserError
 from goodput.resilience.accounting import restart_round
 
 log = logging.getLogger(__name__)
@@ -61,3 +75,84 @@ def resume(mgr: CheckpointManager, app: AppState, configured: str) -> tuple[dict
     elif skipped:
         log.warning("no committed checkpoint could be loaded: starting from scratch")
     return rec, bool(skipped) and rec is None
+
+
+class InitFromError(IncompatibleCheckpoint):
+    """run.init_from names weights that do not fit this run's model (names, shapes, classes)."""
+
+
+def init_from(
+    mgr: CheckpointManager,
+    app: AppState,
+    resumed: dict | None,
+    source: str | None,
+    classes: list[str],
+    open_storage: Callable,
+) -> Weights | None:
+    """run.init_from: when the start `resumed` nothing, load the weights of `source` into the model and
+    the EMA (every rank reads them, then all agree before any is loaded: the load is collective under
+    FSDP). Strict: a missing or unexpected name or another shape is an InitFromError naming them;
+    another number of classes says so, with both lists."""
+    if not source:
+        return None
+    if resumed is not None:
+        log.info("run.init_from=%s not applied: this run resumed its own checkpoint (step %d)",
+                 source, resumed["step"])  # fmt: skip
+        return None
+    got, err = None, None
+    try:
+        got = read_weights(source, "model", open_storage=open_storage)
+        fit(app.model, got, classes)
+    except Exception as e:
+        err = e
+    if not mgr._agree(err is None):  # (a rank that failed to read would leave the others in a collective)
+        if err is None:
+            raise InitFromError(f"run.init_from={source}: failed on another rank")
+        if isinstance(err, InitFromError):
+            raise err
+        why = err if isinstance(err, UserError) else f"{type(err).__name__}: {err}"  # a UserError names it
+        raise InitFromError(f"run.init_from={source}: {why}") from err
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(app.model, got.state, options=full)
+    for m in app.modules.values():  # the EMA starts from the same weights as the model
+        if isinstance(m, AveragedModel):
+            set_model_state_dict(m.module, got.state, options=full)
+    log.info(
+        "run.init_from: the model starts from %s%s; optimizer, LR schedule, step and data position "
+        "start fresh", got.origin, f" (step {got.step})" if got.step is not None else "",
+    )  # fmt: skip
+    return got
+
+
+def fit(model, got: Weights, classes: list[str]) -> None:
+    """InitFromError unless `got.state` has exactly the model's names and shapes."""
+    live = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes (DTensor too)
+    src = {k: tuple(v.shape) for k, v in got.state.items()}
+    theirs = None
+    if got.record is not None:  # a source with a model record: name the classes when they differ
+        theirs = got.spec().classes
+    if theirs is not None and len(theirs) != len(classes):
+        raise InitFromError(
+            f"run.init_from={got.origin} has {len(theirs)} classes {theirs[:10]}, this run's data has "
+            f"{len(classes)} {classes[:10]}: the classifier head has another shape (num_classes)"
+        )
+    missing, unexpected = sorted(live.keys() - src.keys()), sorted(src.keys() - live.keys())
+    differ = [k for k in sorted(live.keys() & src.keys()) if src[k] != live[k]]
+    parts = [
+        f"missing {missing[:5]}" if missing else "",
+        f"unexpected {unexpected[:5]}" if unexpected else "",
+    ]
+    if differ:
+        parts.append("shapes differ (source vs this model): " + ", ".join(f"{k} {src[k]} vs {live[k]}"
+                                                                        for k in differ[:5]))  # fmt: skip
+    if any(live[k][:1] == (len(classes),) for k in differ):
+        parts.append(f"this run has {len(classes)} classes: another num_classes?")
+    if any(parts):
+        raise InitFromError(
+            f"run.init_from={got.origin} does not fit this run's model: " + "; ".join(p for p in parts if p)
+        )
+    if theirs is not None and theirs != classes:
+        log.warning(
+            "run.init_from=%s was trained on classes %s, this run's are %s (same number: label i maps "
+            "to another class)", got.origin, theirs[:10], classes[:10],
+        )  # fmt: skip

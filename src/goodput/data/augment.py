@@ -93,9 +93,14 @@ def build(cfg: AugmentConfig | dict | None, image_size: int) -> tuple[v2.Compose
             raise ValueError(f"augment.train[{i}] must be a node with a _target_, got {node!r}")
         steps.append(instantiate(node, _convert_="all"))
     train = v2.Compose((steps or _eval_view(image_size)) + _normalize(c["mean"], c["std"]))
-    evaluate = v2.Compose(_eval_view(image_size) + _normalize(c["mean"], c["std"]))
     _check_size(train, image_size)
-    return train, evaluate
+    return train, eval_transform(image_size, c["mean"], c["std"])
+
+
+def eval_transform(image_size: int, mean, std) -> v2.Compose:
+    """The eval view: resize the short side, center-crop, normalize. Evaluation during training,
+    scripts/evaluate.py and scripts/predict.py (from a model record: goodput.checkpoint.spec) share it."""
+    return v2.Compose(_eval_view(image_size) + _normalize(mean, std))
 
 
 def _check_size(transform: v2.Compose, size: int) -> None:

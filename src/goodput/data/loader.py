@@ -9,7 +9,9 @@ a loader that restarted its epoch on resume or skipped a batch shows in `sample_
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 
 import torch
@@ -98,6 +100,13 @@ def open_split(cfg: DataConfig, storage: Storage, split: str):
     storage and the node cache dir, lists it (goodput.data.sources: the source protocol)."""
     source = instantiate(cfg.source, storage=storage, cache_dir=cfg.cache_dir)
     return source, source.open(split, cfg.dataset)
+
+
+def data_record(storage: Storage, cfg: DataConfig) -> dict:
+    """Where a run's data is and how it is listed, for its commit records: scripts/evaluate.py reads
+    the val/ (or test/) split of a checkpoint's run from it. A local root is made absolute."""
+    root = storage.root if "://" in storage.root else os.path.abspath(storage.root)
+    return {"root": root, "dataset": json.loads(json.dumps(dict(cfg.dataset)))}
 
 
 def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
@@ -307,9 +316,11 @@ def eval_loader(
     world: int,
     device,
     augment: AugmentConfig | None = None,
+    split: str = "val",
 ) -> DataLoader:
-    """Validation split, sharded across ranks with equal batch counts (padding index -1 is ignored)."""
-    source, files = open_split(cfg, storage, "val")
+    """Validation split (or `split`: scripts/evaluate.py --split test), sharded across ranks with
+    equal batch counts (padding index -1 is ignored). Training reads train/ and val/ only."""
+    source, files = open_split(cfg, storage, split)
     eval_tf = augmentation.build(augment, cfg.image_size)[1]  # derived from the same node: one normalization
     ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, eval_tf)
     per_rank = -(-len(files) // world)

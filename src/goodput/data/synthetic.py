@@ -77,9 +77,11 @@ def make_dataset(
     seed: int = 0,
     quality: int = 90,
     threads: int = 4,
+    test_per_class: int = 0,
 ) -> dict:
-    """Write `root/{train,val}/<class>/<i>.jpg` and then `root/DATASET.json`. Returns counts.
-    Local paths only (it is a demo volume).
+    """Write `root/{train,val}/<class>/<i>.jpg` (and `test/` with `test_per_class` > 0: a held-out
+    split training never reads, for scripts/evaluate.py --split test) and then `root/DATASET.json`.
+    Returns counts. Local paths only (it is a demo volume).
 
     Generated aside (`<root>.partial-<pid>`) and moved into place, so a kill at any moment leaves
     either no dataset or a complete one; a relaunch starts over."""
@@ -87,6 +89,8 @@ def make_dataset(
         raise ValueError(f"num_classes must be in [1, {len(SHAPES)}], got {num_classes}")
     if image_size < 8:
         raise ValueError(f"image_size must be >= 8, got {image_size}")
+    if test_per_class < 0:
+        raise ValueError(f"test_per_class must be >= 0, got {test_per_class}")
     root = os.path.abspath(root)
     for stale in glob.glob(f"{glob.escape(root)}.partial-*"):  # left by killed generators
         if _dead(stale.rsplit("-", 1)[-1]):
@@ -94,7 +98,9 @@ def make_dataset(
     tmp = f"{root}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     jobs = []
-    for split_id, (split, n) in enumerate([("train", train_per_class), ("val", val_per_class)]):
+    splits = [("train", train_per_class), ("val", val_per_class), ("test", test_per_class)]
+    splits = [(i, split, n) for i, (split, n) in enumerate(splits) if split != "test" or n > 0]
+    for split_id, split, n in splits:
         for c in range(num_classes):
             os.makedirs(os.path.join(tmp, split, SHAPES[c]), exist_ok=True)
             jobs += [(split_id, split, c, i) for i in range(n)]
@@ -109,7 +115,8 @@ def make_dataset(
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(write, jobs))
-    counts = {"train": num_classes * train_per_class, "val": num_classes * val_per_class}
+    counts = {split: num_classes * n for _, split, n in splits}  # (no "test" without one: the
+    # default job's record, and so its data, stay what they were)
     record = {**counts, "num_classes": num_classes, "image_size": image_size, "seed": seed}
     with open(os.path.join(tmp, COMPLETE), "w") as f:
         json.dump(record, f)
@@ -143,8 +150,9 @@ def _move_into_place(tmp: str, root: str, record: dict) -> None:
     os.makedirs(root, exist_ok=True)
     if os.path.exists(os.path.join(root, COMPLETE)):
         os.remove(os.path.join(root, COMPLETE))
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         shutil.rmtree(os.path.join(root, split), ignore_errors=True)
-        os.rename(os.path.join(tmp, split), os.path.join(root, split))
+        if os.path.isdir(os.path.join(tmp, split)):
+            os.rename(os.path.join(tmp, split), os.path.join(root, split))
     os.rename(os.path.join(tmp, COMPLETE), os.path.join(root, COMPLETE))
     os.rmdir(tmp)

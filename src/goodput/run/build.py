@@ -17,9 +17,10 @@ from hydra.utils import instantiate
 from goodput.checkpoint import AppState, CheckpointManager, RNGState
 from goodput.checkpoint.commits import Commits
 from goodput.checkpoint.manager import view as commits_view
+from goodput.checkpoint.spec import ModelSpec
 from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
 from goodput.data.dataset import check_same_classes
-from goodput.data.loader import ResumableLoader, eval_loader
+from goodput.data.loader import ResumableLoader, data_record, eval_loader
 from goodput.parallel import set_collective_timeout
 from goodput.resilience.accounting import Ledger
 from goodput.resilience.bookkeeping import Goodput
@@ -128,6 +129,11 @@ class Trainer:
 
         self.ckpt = checkpoint_manager(c, ctx, d)
         self.ckpt_store = self.ckpt.storage
+        # What the weights need to be used (scripts/evaluate.py, predict.py, the export, the MLflow
+        # model): recorded in every commit, with the data that evaluates them and the weights it did.
+        self.spec = ModelSpec.of(c, self.loader.files.classes, size)
+        self.ckpt.commit_info.update(model=self.spec.record(), eval_on=tr.eval_on,
+                                     data=data_record(data_store, c.data))  # fmt: skip
         self.early_stopping = EarlyStopping(
             tr.early_stopping_patience, tr.early_stopping_by, tr.early_stopping_min_delta,
             tr.early_stopping_mode,

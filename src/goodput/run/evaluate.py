@@ -58,14 +58,15 @@ class Evaluation:
             out.append((ok, n, ok / n if n else float("nan")))
         return out
 
-    def metrics(self, classes: list[str]) -> dict[str, float]:
-        """The MLflow metrics: val/loss, val/accuracy, val/top<k>, val/class/<name>."""
-        m = {"val/loss": self.loss, "val/accuracy": self.accuracy}
+    def metrics(self, classes: list[str], split: str = "val") -> dict[str, float]:
+        """The MLflow metrics: val/loss, val/accuracy, val/top<k>, val/class/<name> (`split`/... for
+        another split: scripts/evaluate.py --split test)."""
+        m = {f"{split}/loss": self.loss, f"{split}/accuracy": self.accuracy}
         if self.top_k is not None:
-            m[f"val/top{self.top_k}"] = self.top_k_hits / max(1, self.count)
+            m[f"{split}/top{self.top_k}"] = self.top_k_hits / max(1, self.count)
         for name, (_, n, acc) in zip(classes, self.per_class()):
             if n:
-                m[f"val/class/{metric_name(name)}"] = acc
+                m[f"{split}/class/{metric_name(name)}"] = acc
         return m
 
 
@@ -106,8 +107,9 @@ def evaluate(model, loader, device, world: int, num_classes: int, top_k: int | N
     return Evaluation(confusion.view(num_classes, num_classes), loss_sum.item(), top_k, int(hits.item()))
 
 
-def write_report(ev: Evaluation, classes: list[str], out_dir: str) -> list[str]:
-    """The final evaluation as files: per_class.csv and confusion_matrix.png. Returns their paths."""
+def write_report(ev: Evaluation, classes: list[str], out_dir: str, split: str = "val") -> list[str]:
+    """The final evaluation (of `split`) as files: per_class.csv and confusion_matrix.png. Returns
+    their paths."""
     os.makedirs(out_dir, exist_ok=True)
     table = os.path.join(out_dir, "per_class.csv")
     with open(table, "w", newline="") as f:
@@ -116,11 +118,11 @@ def write_report(ev: Evaluation, classes: list[str], out_dir: str) -> list[str]:
         for i, (name, (ok, n, acc)) in enumerate(zip(classes, ev.per_class())):
             w.writerow([name, i, n, ok, f"{acc:.6f}"])
     png = os.path.join(out_dir, "confusion_matrix.png")
-    plot_confusion(ev.confusion, classes, png)
+    plot_confusion(ev.confusion, classes, png, split)
     return [table, png]
 
 
-def plot_confusion(confusion: torch.Tensor, classes: list[str], path: str) -> None:
+def plot_confusion(confusion: torch.Tensor, classes: list[str], path: str, split: str = "val") -> None:
     """Row-normalised confusion matrix (each true class sums to 1), with the counts written in."""
     import matplotlib
 
@@ -144,6 +146,7 @@ def plot_confusion(confusion: torch.Tensor, classes: list[str], path: str) -> No
                     color = "white" if norm[i, j] > 0.5 else "black"
                     ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=6, color=color)
     acc = float(c.diagonal().sum() / c.sum().clamp(min=1))
-    ax.set_title(f"validation confusion matrix (accuracy {acc:.3f}, {int(c.sum())} samples)")
+    name = {"val": "validation", "test": "test"}.get(split, split)
+    ax.set_title(f"{name} confusion matrix (accuracy {acc:.3f}, {int(c.sum())} samples)")
     fig.savefig(path, bbox_inches="tight", dpi=100)
     plt.close(fig)

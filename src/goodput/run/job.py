@@ -17,6 +17,7 @@ from dataclasses import replace
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from goodput.checkpoint.export import SourceError, locate
 from goodput.config import Config, config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.resilience.accounting import process_start
@@ -90,6 +91,12 @@ def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool
             if name != RunLock.NAME:
                 store.rm(name, recursive=True)
         committed = []
+    source = c.run.init_from  # a warm start: its weights must be there before a fresh start begins
+    if source and not committed:
+        try:
+            locate(source, open_storage=lambda url: build.storage(c, url))
+        except SourceError as e:
+            raise SourceError(f"run.init_from={source}: {e}") from None
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = view.newest_verified(committed) if resume == "auto" and committed else None

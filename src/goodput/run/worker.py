@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from goodput import logs, publish
 from goodput.checkpoint.layout import step_dir
-from goodput.checkpoint.resume import resume
+from goodput.checkpoint.resume import init_from, resume
 from goodput.config import Config
 from goodput.errors import UserError
 from goodput.model import model_sha256
@@ -27,7 +27,7 @@ from goodput.resilience.accounting import plot, process_start, restart_round
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.run import loop, refusal
-from goodput.run.build import Trainer
+from goodput.run.build import Trainer, storage
 from goodput.run.context import RunContext
 from goodput.run.evaluate import write_report
 from goodput.storage.local import atomic_write
@@ -59,6 +59,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.close()
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
+        init_from(t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url))
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
@@ -119,11 +120,10 @@ def write_summary(t: Trainer, result: dict) -> dict:
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
     books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
     goodput = books["goodput"]
-    # The logged model's input example: two samples, since torch.export (MLflow's default format)
-    # fixes a batch dimension of 1 to a constant
+    # The logged model's input example (its signature): two samples of the val view
     example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
     bound = c.mlflow.artifact_timeout_s  # each upload to the artifact store: a store that hangs
-    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.loader.num_classes, bound)
+    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,

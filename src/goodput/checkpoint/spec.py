@@ -1,0 +1,166 @@
+"""What weights need besides themselves to be used: the model's `_target_` node, the class names
+(label i is classes[i]), the image size and the normalization. A run records it in every commit
+(`model` in COMMIT.json), `inspect_checkpoint.py --export` copies it into the safetensors metadata,
+and the logged MLflow model carries it (its MLmodel metadata and the module's `goodput` attribute),
+so evaluate.py and predict.py need nothing but the checkpoint, the export or the model URI.
+
+Read back, a spec is untrusted input (whoever writes the store writes it): `ModelSpec.parse` checks
+every field, and `build` calls the `_target_` only when it names an `nn.Module` class or a builder
+of `torchvision.models` (or one the caller allows), with plain values for arguments:
+no nested `_target_`, no Hydra instructions, and never `weights` downloaded from anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from goodput.data import augment
+from goodput.untrusted import RecordError, parse_record
+
+# Functions that may build a model from a record: torchvision's builders. (goodput's model is a
+# class; a goodput *function* could write files where the record says, e.g. the demo data generator.)
+BUILDERS = ("torchvision.models",)
+FIELDS = ("node", "classes", "image_size", "mean", "std")
+
+
+class SpecError(RecordError):
+    """A model record (commit, export metadata, MLflow metadata) that is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    node: dict  # the `model` config node: `_target_` and its arguments (num_classes is added)
+    classes: list[str]
+    image_size: int
+    mean: list[float]
+    std: list[float]
+
+    @classmethod
+    def of(cls, c, classes: list[str], image_size: int) -> ModelSpec:
+        """The spec of a run's model (`c`: goodput.config.Config) trained on `classes`. The config is
+        copied whole, like summary.json's (`asdict`, `dict`): a record, not a second reader of its keys."""
+        mean, std = (asdict(c.augment)[k] for k in ("mean", "std"))
+        node = json.loads(json.dumps(dict(c.model)))  # a plain copy
+        return cls(node, list(classes), int(image_size), [float(v) for v in mean], [float(v) for v in std])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def record(self) -> dict:
+        return asdict(self)
+
+    def metadata(self) -> dict[str, str]:
+        """safetensors metadata (strings only): each field as JSON."""
+        return {k: json.dumps(v) for k, v in self.record().items()}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str] | None, what: str) -> ModelSpec:
+        meta = meta or {}
+        missing = [k for k in FIELDS if k not in meta]
+        if missing:
+            raise SpecError(
+                f"{what} carries no model record ({', '.join(missing)} missing from its metadata): export "
+                f"it again with scripts/inspect_checkpoint.py --export from a checkpoint of this goodput"
+            )
+        return cls.parse({k: parse_record(meta[k], f"{what} metadata {k!r}", object) for k in FIELDS}, what)
+
+    @classmethod
+    def parse(cls, rec: object, what: str) -> ModelSpec:
+        """A spec from an untrusted record, every field checked; SpecError naming `what` and the field."""
+        if rec is None:
+            raise SpecError(
+                f"{what} has no model record (written before goodput recorded one): load its weights "
+                f"into the model class yourself (docs/outputs.md, loading the model)"
+            )
+        if not isinstance(rec, dict):
+            raise SpecError(f"{what}: the model record is a {type(rec).__name__}, not an object")
+        node, classes, size = rec.get("node"), rec.get("classes"), rec.get("image_size")
+        check_node(node, f"{what}: model node")
+        if not (isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes)):
+            raise SpecError(f"{what}: classes must be a non-empty list of names, got {str(classes)[:200]}")
+        if len(set(classes)) != len(classes):
+            raise SpecError(f"{what}: class names repeat: {classes[:20]}")
+        if not (isinstance(size, int) and not isinstance(size, bool) and 8 <= size <= 8192):
+            raise SpecError(f"{what}: image_size must be an integer in [8, 8192], got {size!r}")
+        norm = {}
+        for k in ("mean", "std"):
+            v = rec.get(k)
+            if not (isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v)):
+                raise SpecError(f"{what}: {k} must be 3 numbers (one per RGB channel), got {v!r}")
+            norm[k] = [float(x) for x in v]
+        if any(s <= 0 for s in norm["std"]):
+            raise SpecError(f"{what}: std must be positive, got {norm['std']}")
+        return cls(node, list(classes), size, norm["mean"], norm["std"])
+
+    def build(self, allow: tuple[str, ...] = ()) -> nn.Module:
+        """The model of this spec with fresh weights (num_classes = len(classes)), on CPU. The
+        `_target_` is checked first (see the module docstring); `allow`: more dotted names to accept."""
+        from hydra.utils import get_object, instantiate
+
+        target = self.node["_target_"]
+        try:
+            fn = get_object(target)
+        except Exception as e:
+            raise SpecError(f"model _target_ {target!r} cannot be imported here: {e}") from None
+        module = getattr(fn, "__module__", "") or ""
+        is_module_class = isinstance(fn, type) and issubclass(fn, nn.Module)
+        is_builder = (
+            not isinstance(fn, type)
+            and callable(fn)
+            and f"{module}.".startswith(tuple(f"{b}." for b in BUILDERS))
+        )
+        if not (is_module_class or is_builder or target in allow):
+            raise SpecError(
+                f"model _target_ {target!r} is neither an nn.Module class nor a builder in "
+                f"{' / '.join(BUILDERS)}: not calling it from a record "
+                f"(--allow-target {target} if you trust it)"
+            )
+        node = dict(self.node)
+        if "weights" in node:
+            node["weights"] = None  # the checkpoint holds the weights: download nothing
+        model = instantiate(node, num_classes=self.num_classes)
+        if not isinstance(model, nn.Module):
+            raise SpecError(f"model _target_ {target!r} returned a {type(model).__name__}, not an nn.Module")
+        return model
+
+    def transform(self):
+        """The eval view of an image (uint8 C x H x W): resize, center crop, normalize, as in training."""
+        return augment.eval_transform(self.image_size, self.mean, self.std)
+
+    def preprocess(self, img: torch.Tensor) -> torch.Tensor:
+        return self.transform()(img)
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def check_node(node: object, what: str) -> dict:
+    """A `_target_` node from a record: a dotted `_target_` and plain JSON values as arguments, with
+    no key starting with `_` below it (a nested `_target_` would be instantiated too; `_args_`,
+    `_partial_`, `_recursive_` change what is called)."""
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise SpecError(f"{what} must be an object with a _target_ string, got {str(node)[:200]}")
+    parts = node["_target_"].split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise SpecError(f"{what}: _target_ {node['_target_']!r} is not a dotted name")
+
+    def walk(v, path):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str) or k.startswith("_"):
+                    raise SpecError(f"{what}: key {path}{k} is refused (no Hydra instructions in a record)")
+                walk(x, f"{path}{k}.")
+        elif isinstance(v, list):
+            for x in v:
+                walk(x, path)
+        elif not (v is None or isinstance(v, str | bool | int | float)):
+            raise SpecError(f"{what}: {path} holds a {type(v).__name__}")
+
+    walk({k: v for k, v in node.items() if k != "_target_"}, "")
+    return node

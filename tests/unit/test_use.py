@@ -1,0 +1,381 @@
+"""Using a trained model, in-process: the model record read as untrusted input, warm starts
+(run.init_from) through the resume seam, the test split, and the images prediction reads."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+from helpers import compose_train, manager
+
+from goodput.checkpoint import AppState
+from goodput.checkpoint.export import SourceError, read_weights, save_safetensors
+from goodput.checkpoint.resume import InitFromError, init_from
+from goodput.checkpoint.spec import ModelSpec, SpecError
+from goodput.data.synthetic import make_dataset
+from goodput.inference import InputError, Loaded, decode, evaluation_loader, image_files
+from goodput.model import SmallCNN
+from goodput.storage.remote import Storage
+
+CLASSES = ["cross", "disc", "square", "triangle"]  # the first 4 shapes of the demo data
+
+
+def record(**change) -> dict:
+    node = {"_target_": "goodput.model.SmallCNN", "width": 8}
+    return {
+        "node": node,
+        "classes": CLASSES,
+        "image_size": 16,
+        "mean": [0.5] * 3,
+        "std": [0.25] * 3,
+        **change,
+    }
+
+
+# -- the model record ---------------------------------------------------------------------------
+def test_a_good_record_builds_its_model_and_the_eval_view():
+    spec = ModelSpec.parse(json.loads(json.dumps(record())), "COMMIT.json")
+    model = spec.build()
+    assert (
+        isinstance(model, SmallCNN) and model.head.out_features == 4 and model.blocks[0][0].out_channels == 8
+    )
+    x = spec.transform()(torch.full((3, 40, 24), 255, dtype=torch.uint8))
+    assert x.shape == (3, 16, 16) and torch.allclose(x, torch.full_like(x, (1 - 0.5) / 0.25))
+    # a torchvision builder is a function: allowed; `weights` named by a record is never downloaded
+    rn = ModelSpec.parse(
+        record(node={"_target_": "torchvision.models.resnet18", "weights": "IMAGENET1K_V1"}), "x"
+    )
+    assert rn.build().fc.out_features == 4  # (with weights="IMAGENET1K_V1" it would download them)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"node": {"_target_": "os.system", "command": "touch {tmp}/pwned"}}, "neither an nn.Module class"),
+        ({"node": {"_target_": "builtins.eval", "source": "1"}}, "neither an nn.Module class"),
+        ({"node": {"_target_": "subprocess.Popen", "args": "true"}}, "neither an nn.Module class"),  # a class
+        (
+            {"node": {"_target_": "goodput.data.synthetic.make_dataset", "root": "/tmp/x"}},
+            "neither an nn.Module",
+        ),
+        ({"node": {"_target_": "goodput.model.SmallCNN", "x": {"_target_": "os.system"}}}, "key x._target_"),
+        ({"node": {"_target_": "goodput.model.SmallCNN", "_args_": ["rm"]}}, "key _args_ is refused"),
+        ({"node": {"_target_": "goodput.model.SmallCNN", "_partial_": True}}, "key _partial_ is refused"),
+        ({"node": {"_target_": "not a name"}}, "not a dotted name"),
+        ({"node": "goodput.model.SmallCNN"}, "must be an object with a _target_"),
+        ({"classes": []}, "classes must be a non-empty list"),
+        ({"classes": ["a", "a"]}, "class names repeat"),
+        ({"image_size": True}, "image_size must be an integer"),
+        ({"image_size": 10**9}, "image_size must be an integer"),
+        ({"mean": [0.5, 0.5]}, "mean must be 3 numbers"),
+        ({"std": [0.25, 0.0, 0.25]}, "std must be positive"),
+        ({"std": [float("nan")] * 3}, "std must be 3 numbers"),
+    ],
+)
+def test_a_hostile_or_malformed_record_is_refused_naming_the_field(change, message, tmp_path):
+    """Whoever writes the store writes the record: nothing it names is called unless it is a model
+    (planted without the check, make_dataset wrote a dataset where the record said)."""
+    change = json.loads(json.dumps(change).replace("{tmp}", str(tmp_path)))
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.parse(record(**change), "COMMIT.json").build()
+    assert not os.path.exists(tmp_path / "pwned")
+
+
+def test_a_record_missing_or_not_an_object():
+    with pytest.raises(SpecError, match="has no model record"):
+        ModelSpec.parse(None, "step-000000004")
+    with pytest.raises(SpecError, match="carries no model record"):
+        ModelSpec.from_metadata({"step": "4"}, "m.safetensors")
+    with pytest.raises(SpecError, match="not an object"):
+        ModelSpec.parse([1], "x")
+
+
+# -- warm start ---------------------------------------------------------------------------------
+def fresh_app(seed: int, width: int = 8, num_classes: int = 4, ema: bool = False):
+    """A new run's state: a model of its own seed, a fresh optimizer and schedule (no step taken)."""
+    from goodput.run.step import make_ema
+
+    torch.manual_seed(seed)
+    model = SmallCNN(num_classes=num_classes, width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    app = AppState(model, opt, rank=0)
+    app.register("scheduler", sched)
+    if ema:
+        app.register_module("ema", make_ema(model, 0.5))
+    return app, sched
+
+
+def source_run(tmp_path, dist1, with_record: bool = True):
+    """A committed step 7 of a trained run (one real step), and its model."""
+    from helpers import make_app
+
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    if with_record:
+        mgr.commit_info["model"] = record()
+    app, *_ = make_app(1)
+    mgr.save(7, app)
+    mgr.wait()
+    mgr.close()
+    return str(tmp_path / "remote"), app.model
+
+
+def same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_from_loads_the_source_weights_and_leaves_the_rest_fresh(tmp_path, dist1):
+    src, trained = source_run(tmp_path / "src", dist1)
+    mgr = manager(tmp_path / "new", "dcp_sync", dist1)
+    app, sched = fresh_app(2, ema=True)
+    assert not same(app.model.state_dict(), trained.state_dict())
+    got = init_from(mgr, app, None, src, CLASSES, Storage)
+    assert got.step == 7
+    assert same(app.model.state_dict(), trained.state_dict())  # the weights, tensor for tensor
+    assert same(app.modules["ema"].module.state_dict(), trained.state_dict())  # the EMA starts there too
+    assert app.optimizer.state_dict()["state"] == {} and sched.last_epoch == 0  # nothing else came along
+    # a step dir and a safetensors export of it are sources too
+    for source in (f"{src}/step-000000007", str(tmp_path / "m.safetensors")):
+        save_safetensors(
+            trained.state_dict(), str(tmp_path / "m.safetensors"), ModelSpec.parse(record(), "x").metadata()
+        )
+        app2, _ = fresh_app(3)
+        init_from(mgr, app2, None, source, CLASSES, Storage)
+        assert same(app2.model.state_dict(), trained.state_dict()), source
+    mgr.close()
+
+
+def test_init_from_is_not_applied_when_the_run_resumed_its_own_checkpoint(tmp_path, dist1, caplog):
+    src, trained = source_run(tmp_path / "src", dist1)
+    mgr = manager(tmp_path / "new", "dcp_sync", dist1)
+    own, _ = fresh_app(5)
+    mgr.save(4, own)
+    mgr.wait()
+    app, _ = fresh_app(6)
+    rec, _ = mgr.restore(app, mgr.committed())  # what resume() does on a relaunch
+    with caplog.at_level(logging.INFO, logger="goodput.checkpoint.resume"):
+        assert init_from(mgr, app, rec, src, CLASSES, Storage) is None
+    assert same(app.model.state_dict(), own.model.state_dict())  # its own step 4, not the source
+    assert "not applied: this run resumed its own checkpoint (step 4)" in caplog.text
+    mgr.close()
+
+
+def test_init_from_other_class_names_of_the_same_number_train_on_with_a_warning(tmp_path, dist1, caplog):
+    src, trained = source_run(tmp_path / "src", dist1)
+    mgr = manager(tmp_path / "new", "dcp_sync", dist1)
+    app, _ = fresh_app(2)
+    others = ["a", "b", "c", "d"]
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoint.resume"):
+        init_from(mgr, app, None, src, others, Storage)
+    assert same(app.model.state_dict(), trained.state_dict())
+    assert (
+        "was trained on classes ['cross', 'disc', 'square', 'triangle'], this run's are ['a', 'b'"
+        in caplog.text
+    )
+    mgr.close()
+
+
+def test_init_from_refuses_weights_that_do_not_fit(tmp_path, dist1):
+    src, _ = source_run(tmp_path / "src", dist1)
+    mgr = manager(tmp_path / "new", "dcp_sync", dist1)
+    with pytest.raises(
+        InitFromError, match=r"shapes differ .*blocks\.0\.0\.weight \(8, 3, 3, 3\) vs \(16, 3, 3, 3\)"
+    ):
+        init_from(mgr, fresh_app(2, width=16)[0], None, src, CLASSES, Storage)
+    six = [*CLASSES, "dots", "ring"]
+    with pytest.raises(InitFromError, match=r"has 4 classes \['cross', .*this run's data has 6 \['cross'"):
+        init_from(mgr, fresh_app(2, num_classes=6)[0], None, src, six, Storage)
+    # without a record (an export of an older goodput), the shapes say it
+    bare = tmp_path / "bare.safetensors"
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(bare))
+    with pytest.raises(InitFromError, match="head.weight .*this run has 6 classes: another num_classes"):
+        init_from(mgr, fresh_app(2, num_classes=6)[0], None, str(bare), six, Storage)
+    extra = {**SmallCNN(4, 8).state_dict(), "extra.weight": torch.zeros(1)}
+    save_safetensors(extra, str(bare))
+    with pytest.raises(InitFromError, match=r"unexpected \['extra.weight'\]"):
+        init_from(mgr, fresh_app(2)[0], None, str(bare), CLASSES, Storage)
+    with pytest.raises(InitFromError, match="no such directory"):
+        init_from(mgr, fresh_app(2)[0], None, str(tmp_path / "nothing"), CLASSES, Storage)
+    mgr.close()
+
+
+def test_a_source_is_checked_before_any_work(tmp_path, dist1):
+    """What the job checks before a fresh start (goodput.run.job): the source is there."""
+    src, _ = source_run(tmp_path / "src", dist1)
+    with pytest.raises(
+        SourceError, match=r"step-000000009: not a committed checkpoint \(committed steps: \[7\]\)"
+    ):
+        read_weights(f"{src}/step-000000009")
+    with pytest.raises(SourceError, match="no committed checkpoint"):
+        read_weights(str(tmp_path))
+    with pytest.raises(SourceError, match="no such safetensors file"):
+        read_weights(str(tmp_path / "x.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(SourceError, match="not a readable safetensors file"):
+        read_weights(str(tmp_path / "junk.safetensors"))
+
+
+# -- the test split -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def with_test(tmp_path_factory):
+    root = tmp_path_factory.mktemp("with-test")
+    n = make_dataset(
+        str(root), num_classes=4, train_per_class=4, val_per_class=2, image_size=16, test_per_class=3
+    )
+    return str(root), n
+
+
+def test_make_dataset_writes_a_test_split_only_when_asked(with_test, tmp_path):
+    root, n = with_test
+    assert n["test"] == 12 and sorted(os.listdir(f"{root}/test")) == sorted(os.listdir(f"{root}/train"))
+    plain = make_dataset(
+        str(tmp_path / "plain"), num_classes=4, train_per_class=4, val_per_class=2, image_size=16
+    )
+    assert "test" not in plain and not (tmp_path / "plain" / "test").exists()
+    with open(tmp_path / "plain" / "DATASET.json") as f:  # the default data's record is what it was
+        assert set(json.load(f)) == {"train", "val", "num_classes", "image_size", "seed"}
+
+
+def test_training_never_reads_the_test_split(with_test, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from goodput.config import validate
+    from goodput.data.loader import ResumableLoader, eval_loader
+
+    root, _ = with_test
+    touched = []
+    original = Storage._path
+    monkeypatch.setattr(Storage, "_path", lambda self, rel: touched.append(rel) or original(self, rel))
+    overrides = [f"paths.root={root}/out", "experiment=smoke", f"data.root={root}", "data=remote"]
+    c = validate(OmegaConf.to_container(compose_train(overrides), resolve=True))
+    store, cpu = Storage(root), torch.device("cpu")
+    train = ResumableLoader(c.data, store, 0, 8, 3, 0, 1, cpu, c.augment)
+    for _ in train:
+        pass
+    for _ in eval_loader(c.data, store, 8, 0, 1, cpu, c.augment):
+        pass
+    assert any(r.startswith("train/") for r in touched) and any(r.startswith("val/") for r in touched)
+    assert not [r for r in touched if r.split("/")[0] == "test"]
+
+
+def loaded_of(classes=CLASSES) -> Loaded:
+    spec = ModelSpec.parse(record(classes=classes), "x")
+    return Loaded(spec.build().eval(), spec, "x", 1, "model")
+
+
+def test_the_test_split_is_evaluated_when_present_and_refused_naming_it_when_absent(with_test, tmp_path):
+    root, n = with_test
+    node = {"_target_": "goodput.data.dataset.ImageFolder"}
+    loader = evaluation_loader(loaded_of(), root, node, "test", 5, 0)
+    assert sum(int((b["label"] >= 0).sum()) for b in loader) == n["test"]
+    assert all(f.startswith("test/") for f in loader.dataset.files.files)
+    make_dataset(str(tmp_path / "plain"), num_classes=4, train_per_class=4, val_per_class=2, image_size=16)
+    with pytest.raises(InputError, match=r"has no test split \(no .*plain/test/<class>/<image>\)"):
+        evaluation_loader(loaded_of(), str(tmp_path / "plain"), node, "test", 5, 0)
+    other = ["cross", "disc", "ring", "square"]  # the model's classes are not the split's
+    with pytest.raises(InputError, match=r"missing there: \['ring'\], not trained on: \['triangle'\]"):
+        evaluation_loader(loaded_of(other), root, node, "test", 5, 0)
+
+
+def test_the_data_record_is_checked_and_the_root_can_be_moved():
+    from goodput.inference import data_of
+
+    m = loaded_of()
+    node = {"_target_": "goodput.data.dataset.CsvManifest", "manifest": "{split}.csv"}
+    m.commit = {"data": {"root": "/data/shapes", "dataset": node}}
+    assert data_of(m, None) == ("/data/shapes", node)
+    assert data_of(m, "/moved") == ("/moved", node)  # --data-root
+    popen = {"_target_": "subprocess.Popen", "args": "true"}
+    nested = {"_target_": "goodput.data.dataset.ImageFolder", "x": {"_target_": "os.system"}}
+    for bad, message in [
+        ({"root": "/d", "dataset": popen}, "not an ImageFolder class"),
+        ({"root": "/d", "dataset": nested}, "key x._target_ is refused"),
+        ({"root": "nope://d"}, "unknown storage protocol"),
+        ([], "not an object"),
+    ]:  # fmt: skip
+        m.commit = {"data": bad}
+        with pytest.raises(SpecError, match=message):
+            data_of(m, None)
+    m.commit = None  # a safetensors export or an MLflow model: no data record
+    with pytest.raises(SpecError, match="names no dataset .*pass --data-root"):
+        data_of(m, None)
+
+
+# -- images -------------------------------------------------------------------------------------
+def test_images_in_any_format_pillow_opens_and_bad_ones_named(tmp_path, with_test):
+    from PIL import Image
+
+    root, _ = with_test
+    src = os.path.join(root, "val", "disc", "000000.jpg")
+    with Image.open(src) as im:
+        for ext in ("bmp", "webp", "tiff", "gif"):
+            im.save(tmp_path / f"x.{ext}")
+    ref = decode(src)
+    for ext in ("bmp", "tiff"):  # lossless: the same pixels as the JPEG decoded
+        assert torch.equal(decode(str(tmp_path / f"x.{ext}")), ref), ext
+    for ext in ("webp", "gif"):
+        assert decode(str(tmp_path / f"x.{ext}")).shape == ref.shape, ext
+    (tmp_path / "bad.jpg").write_bytes(b"not an image")
+    with pytest.raises(InputError, match=r"bad.jpg: cannot decode as an image"):
+        decode(str(tmp_path / "bad.jpg"))
+    with pytest.raises(InputError, match="nothere.png: no such file or folder"):
+        image_files([str(tmp_path / "nothere.png")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no image files in this folder"):
+        image_files([str(tmp_path / "empty")])
+    files = image_files([os.path.join(root, "val"), str(tmp_path / "x.bmp")])
+    assert len(files) == 9 and files[-1].endswith("x.bmp") and files[:8] == sorted(files[:8])
+
+
+def test_a_corrupt_newest_commit_is_skipped_and_a_named_one_refused(tmp_path, dist1, caplog):
+    from helpers import two_steps
+
+    from goodput.checkpoint.export import CorruptCheckpoint
+
+    mgr, app, remote = two_steps(tmp_path, dist1)  # steps 1 and 2, other weights
+    shard = next(p for p in (remote / "step-000000002").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit flipped: only the checksum sees it
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoint.export"):
+        got = read_weights(str(remote))
+    assert got.step == 1 and "skipping" in caplog.text and "step-000000002" in caplog.text
+    with pytest.raises(CorruptCheckpoint, match="does not match its commit record"):
+        read_weights(str(remote), step=2)
+    mgr.close()
+
+
+def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
+    import runpy
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "predict.py"))["main"]
+    root, _ = with_test
+    image = os.path.join(root, "test", "disc", "000000.jpg")
+    bare = tmp_path / "bare.safetensors"  # weights without a model record (an older export)
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(bare))
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG not really")
+    good = tmp_path / "good.safetensors"
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(good), ModelSpec.parse(record(), "x").metadata())
+    for argv, message in [
+        ([str(bare), image], "bare.safetensors has no model record"),
+        ([str(good), str(tmp_path / "missing.jpg")], "missing.jpg: no such file or folder"),
+        ([str(good), str(tmp_path / "bad.png")], "bad.png: cannot decode as an image"),
+        ([str(tmp_path / "nothing"), image], "no such directory"),
+    ]:
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert main(argv) == 2, argv
+        assert message in err.getvalue() and err.getvalue().count("\n") == 1, err.getvalue()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([str(good), image]) == 0
+    header, row = list(csv.reader(io.StringIO(out.getvalue())))
+    assert header == ["path", "class", "probability", "top4"] and row[0] == image and row[1] in CLASSES
