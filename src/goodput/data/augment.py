@@ -100,6 +100,8 @@ def build(cfg: AugmentConfig | dict | None, image_size: int) -> tuple[v2.Compose
 def eval_transform(image_size: int, mean, std) -> v2.Compose:
     """The eval view: resize the short side, center-crop, normalize. Evaluation during training,
     scripts/evaluate.py and scripts/predict.py (from a model record: goodput.checkpoint.spec) share it."""
+    from torchvision.transforms import v2
+
     return v2.Compose(_eval_view(image_size) + _normalize(mean, std))
 
 
