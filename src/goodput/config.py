@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import MISSING
 
+import goodput.identity  # noqa: F401  (registers ${goodput.identity:}, which run.name uses)
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
@@ -67,8 +68,15 @@ class PathsConfig:
 
 @dataclass
 class RunConfig:
-    name: str = MISSING
-    """Names the checkpoint dir (and the MLflow run): relaunching the same name resumes it."""
+    experiment: str = "run"
+    """What kind of run this is, set by the experiment preset (`demo`, `smoke`): the first part of
+    the default run.name."""
+
+    name: str = "${run.experiment}-${goodput.identity:}"
+    """Names the checkpoint dir, the run dir and the MLflow run: relaunching the same name resumes
+    it. By default the experiment plus 8 hex digits of the identity keys (what is trained; the table
+    in docs/config.md), so a command that trains something else is a new run and the same command
+    continues. A name given explicitly is kept; a `-m` sweep adds each job's overrides to it."""
 
     resume: str = "auto"
     """`auto` = the newest committed checkpoint that loads (falls back to older ones), `none` = start
@@ -80,6 +88,10 @@ class RunConfig:
     lock_stale_seconds: int = 120
     """A run lock without heartbeat for this long belongs to a dead job and is taken over. Shorter
     relaunches faster after a crash; too short lets a slow-but-alive job be joined by a second one."""
+
+    allow_config_change: bool = False
+    """Continue an existing run (an explicit run.name) whose identity keys differ from this launch's,
+    with a warning listing them; without it that launch is refused (exit 2), naming each key."""
 
 
 @dataclass
@@ -255,5 +267,6 @@ def validate(c: dict) -> Config:
 
 
 def config_hash(resolved: dict) -> str:
-    """The run's identity (of its resolved config): recorded in each commit, compared on resume."""
+    """A hash of the whole resolved config, recorded in each commit (what decides which run a launch
+    continues is the identity, goodput.identity, a digest of fewer keys)."""
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
