@@ -6,6 +6,7 @@ workers (see goodput.run.launch). Relaunching the same command resumes from the 
 
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
-from goodput.run.job import AlreadyDone, prepare  # noqa: E402
+from goodput.run.job import AlreadyDone, close_failed, prepare  # noqa: E402
 from goodput.run.launch import RendezvousUnreachable, launch  # noqa: E402
 
 log = logging.getLogger("goodput")
@@ -45,26 +46,36 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     try:
         summary = launch(c, ctx)
-    except (RendezvousUnreachable, UserError) as e:  # a data or store refusal: one line, exit 2
-        log.error("%s", e)
-        sys.exit(2)
+    except BaseException as e:
+        close_failed(c, ctx, e)  # the MLflow run ends FAILED (KILLED: interrupted), the error as a tag
+        if isinstance(e, RendezvousUnreachable | UserError):  # a data or store refusal: one line, exit 2
+            log.error("%s", e)
+            sys.exit(2)
+        raise
     finally:
         if lock is not None:
             lock.release()
-    if summary is not None:
-        log.info(
-            "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
-            summary["steps"],
-            summary["final_loss"],
-            summary["val_accuracy"],
-            100 * summary["goodput"]["goodput"],
-        )
-        log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
-        log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
-        metric = hc.sweeper.get("metric")  # the Optuna sweeper's objective (hparams_search=...)
-        if metric is not None:
-            return (summary.get("val") or {}).get(metric)
-    return None
+    if summary is None:
+        return None
+    log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
+    log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
+    if not summary["finished"]:  # stopped by a signal: the last line says where, and how to go on
+        log.warning(
+            "stopped by %s at step %d of %d (not finished; newest checkpoint: step %s). To continue, "
+            "run the same command again: python %s",
+            summary["preempted"], summary["steps"], c.trainer.max_steps, summary["last_committed_step"],
+            shlex.join(sys.argv),
+        )  # fmt: skip
+        return None
+    log.info(
+        "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
+        summary["steps"],
+        summary["final_loss"],
+        summary["val_accuracy"],
+        100 * summary["goodput"]["goodput"],
+    )
+    metric = hc.sweeper.get("metric")  # the Optuna sweeper's objective (hparams_search=...)
+    return (summary.get("val") or {}).get(metric) if metric is not None else None
 
 
 if __name__ == "__main__":
