@@ -262,6 +262,14 @@ def start_run(
     return run.info.run_id
 
 
+def log_json(uri: str, run_id: str, obj: dict, name: str) -> None:
+    """A small JSON artifact of the run (its identity.json); an artifact store that fails only warns."""
+    try:
+        _retry(MlflowClient(uri).log_dict, run_id, obj, name)
+    except Exception as e:
+        log.warning("MLflow: could not log %s (%s)", name, e)
+
+
 def effective_params(params: dict[str, str]) -> dict[str, str]:
     """A run's params as its last launch set them: the first launch's, then each `changed.<n>.<key>`."""
     out = {k: v for k, v in params.items() if not k.startswith(CHANGED)}

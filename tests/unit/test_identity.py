@@ -213,6 +213,17 @@ def test_an_unfinished_run_and_a_new_config_is_a_new_run(store):
     assert c3.checkpoint.dir == c.checkpoint.dir and ctx3.mlflow_run_id == ctx.mlflow_run_id
 
 
+def test_each_job_of_a_sweep_gets_its_own_run(store):
+    """scripts/train.py passes a -m job's overrides as the suffix: a sweep over keys that are not
+    identity keys (the same digest) still makes one run per job."""
+    cfg = composed(f"paths.root={store.root}", f"mlflow.tracking_uri={store.uri}", "checkpoint=torch_save")
+    c, ctx, lock = job.prepare(cfg, str(store.root / "run"), "checkpoint=torch_save")
+    lock.release()
+    assert c.run.name == f"{cfg.run.name}/checkpoint=torch_save"
+    assert c.checkpoint.dir == f"{store.root}/checkpoints/{cfg.run.name}/checkpoint=torch_save"
+    assert store.client.get_run(ctx.mlflow_run_id).info.run_name == c.run.name
+
+
 def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store, caplog):
     c, ctx = store.prepare()
     store.commit(c, ctx, 4)
@@ -240,6 +251,9 @@ def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store,
         and run.data.params["changed.2.optim.optimizer.lr"] == "0.05"
     )
     assert run.data.tags["goodput.identity"] == ctx2.identity["digest"] != ctx.identity["digest"]
+    with open(store.client.download_artifacts(ctx.mlflow_run_id, "identity.json")) as f:
+        recorded = json.load(f)
+    assert recorded == ctx2.identity and recorded["keys"]["optim.optimizer.lr"] == 0.05
 
 
 def test_raising_max_steps_continues_the_finished_run_and_says_what_the_lr_does(store, caplog):

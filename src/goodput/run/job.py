@@ -32,6 +32,7 @@ from goodput.tracking import (
     close_leftovers,
     end_run,
     flatten,
+    log_json,
     source_tags,
     start_run,
 )
@@ -152,6 +153,7 @@ def _prepare_run(
         m.artifact_location,
         tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags},
     )
+    log_json(m.tracking_uri, run_id, ctx.identity, "identity.json")  # the keys and values of the digest
     return replace(ctx, mlflow_run_id=run_id)
 
 
