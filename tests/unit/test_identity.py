@@ -310,6 +310,12 @@ def test_a_relaunch_closes_the_runs_a_killed_job_left_running_and_no_other(store
         and "error" not in get(other.mlflow_run_id).data.tags
     )
     assert get(relaunched.mlflow_run_id).info.status == "RUNNING"
+    # killed after its last commit: the relaunch says complete, and closes the run all the same
+    c, finished = store.prepare("seed=2")
+    store.commit(c, finished, 12)
+    with pytest.raises(job.AlreadyDone):
+        store.prepare("seed=2")
+    assert get(finished.mlflow_run_id).info.status == "KILLED"
 
 
 def test_a_run_whose_lock_a_live_job_holds_is_left_alone(store):

@@ -122,6 +122,9 @@ def _prepare_run(
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = view.newest_verified(committed) if resume == "auto" and committed else None
     check_identity(c, ctx, explicit or newest, store)  # before any work: the refusal is exit 2
+    m = c.mlflow
+    if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
+        close_leftovers(m.tracking_uri, m.experiment, store.url())
     if newest is not None and newest["step"] >= c.trainer.max_steps:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it reached step {newest['step']} "
@@ -141,8 +144,6 @@ def _prepare_run(
         log.warning("%s", longer_run(cfg, newest["step"], newest["max_steps"], c.trainer.max_steps))
     if not leader:
         return ctx
-    m = c.mlflow
-    close_leftovers(m.tracking_uri, m.experiment, store.url())  # this job holds the run lock
     tags = {CHECKPOINT_TAG: store.url(), IDENTITY_TAG: ctx.identity.get("digest", "")}
     run_id = start_run(
         m.tracking_uri,
