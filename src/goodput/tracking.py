@@ -333,6 +333,7 @@ def close_leftovers(uri: str, experiment: str, checkpoint_dir: str) -> list[str]
     so. Only a job holding the run lock of `checkpoint_dir` may call this: no live job owns such a
     run then (the runs of other checkpoint dirs, a concurrent sweep's, are never touched). Returns
     the ids closed."""
+    ensure_store(uri)  # before any client: one opened on a missing store would create it in place
     client = MlflowClient(uri)
     exp = _retry(client.get_experiment_by_name, experiment)
     if exp is None:

@@ -386,3 +386,19 @@ def test_a_malformed_identity_record_makes_the_commit_unloadable_and_values_prin
             parse_commit(json.dumps({**rec, "identity": bad}).encode(), "step-000000004")
     said = identity.describe([("model.name", "\x1b[2J\nrm -rf", "resnet")])
     assert "\x1b" not in said and "\n" not in said and '"\\u001b[2J\\nrm -rf"' in said
+
+
+def test_closing_leftovers_never_opens_a_half_made_store(tmp_path):
+    """The relaunch looks for leftovers before it opens its run: a store half made by a job killed
+    while creating it is moved aside first (tracking.ensure_store), not migrated in place."""
+    import sqlite3
+
+    from goodput.tracking import close_leftovers
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:  # what a kill during MLflow's table creation leaves
+        con.execute(
+            "CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY, name TEXT, creation_time BIGINT)"
+        )
+    assert close_leftovers(f"sqlite:///{db}", "goodput", str(tmp_path / "checkpoints" / "r")) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.broken-")]
