@@ -6,6 +6,7 @@ workers (see goodput.run.launch). Relaunching the same command resumes from the 
 
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ CONF = str(Path(__file__).resolve().parent.parent / "conf")
 def main(cfg: DictConfig) -> dict | None:
     """Returns the run's summary (the Optuna sweeper reads its objective, hydra.sweeper.metric, there)."""
     # Here, not at the top: `--help` and `--cfg` compose the config without importing torch or mlflow.
-    from goodput.run.job import AlreadyDone, prepare
+    from goodput.run.job import AlreadyDone, close_failed, prepare
     from goodput.run.launch import RendezvousUnreachable, launch
 
     logs.setup()  # goodput.logs: MLflow's lines and warnings in the format of Hydra's (conf/hydra)
@@ -50,21 +51,33 @@ def main(cfg: DictConfig) -> dict | None:
         refuse(e, sweep)
     try:
         summary = launch(c, ctx)
-    except (RendezvousUnreachable, UserError) as e:  # a data or store refusal: one line, exit 2
-        refuse(e, sweep)
+    except BaseException as e:
+        close_failed(c, ctx, e)  # the MLflow run ends FAILED (KILLED: interrupted), the error as a tag
+        if isinstance(e, RendezvousUnreachable | UserError):  # a data or store refusal: one line, exit 2
+            refuse(e, sweep)
+        raise
     finally:
         if lock is not None:
             lock.release()
-    if summary is not None:
-        log.info(
-            "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
-            summary["steps"],
-            summary["final_loss"],
-            summary["val_accuracy"],
-            100 * summary["goodput"]["goodput"],
-        )
-        log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
-        log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
+    if summary is None:
+        return None
+    log.info("summary: %s", os.path.join(ctx.run_dir, "summary.json"))
+    log.info("MLflow: %s (run %s) - `make mlflow-ui` opens it", c.mlflow.tracking_uri, ctx.mlflow_run_id)
+    if not summary["finished"]:  # stopped by a signal: the last line says where, and how to go on
+        log.warning(
+            "stopped by %s at step %d of %d (not finished; newest checkpoint: step %s). To continue, "
+            "run the same command again: python %s",
+            summary["preempted"], summary["steps"], c.trainer.max_steps, summary["last_committed_step"],
+            shlex.join(sys.argv),
+        )  # fmt: skip
+        return summary  # the Optuna sweeper reads `preempted` from it
+    log.info(
+        "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
+        summary["steps"],
+        summary["final_loss"],
+        summary["val_accuracy"],
+        100 * summary["goodput"]["goodput"],
+    )
     return summary
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -363,15 +364,20 @@ DEEP = b"[" * 100000 + b"]" * 100000
 
 
 def ckpt_dir(root, name: str = "smoke") -> Path:
-    """The checkpoint dir (checkpoint.dir) of the run called `name`, or named after it, under
-    paths.root `root`: `<root>/checkpoints/<name>` or the one `<root>/checkpoints/<name>-*`. Tests
-    find a run's checkpoints through this, not by spelling the path, so the run-naming rule lives
-    in one place."""
+    """The checkpoint dir (checkpoint.dir) of the run called `name`, or of the one run of experiment
+    `name` under paths.root `root`: `<root>/checkpoints/<name>`, else the one
+    `<root>/checkpoints/<name>-<8 hex digits>` (the default run.name: the experiment plus the digest
+    of the identity keys, goodput.identity). Tests find a run's checkpoints through this, not by
+    spelling the path, so the run-naming rule lives in one place."""
     base = Path(root) / "checkpoints"
     if (base / name).is_dir():
         return base / name
-    found = sorted(p for p in base.glob(f"{name}-*") if p.is_dir())
+    found = sorted(
+        p
+        for p in base.glob(f"{name}-*")
+        if p.is_dir() and re.fullmatch(r"[0-9a-f]{8}", p.name[len(name) + 1 :])
+    )
     if len(found) != 1:
         names = [p.name for p in found]
-        raise AssertionError(f"expected one run named {name}[-*] under {base}, found {names}")
+        raise AssertionError(f"expected one run named {name}[-<digest>] under {base}, found {names}")
     return found[0]

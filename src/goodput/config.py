@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import MISSING, OmegaConf
 
-from goodput import options
+from goodput import identity, options
 from goodput.checkpoint.config import CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
@@ -72,8 +72,15 @@ class PathsConfig:
 
 @dataclass
 class RunConfig:
-    name: str = MISSING
-    """Names the checkpoint dir (and the MLflow run): relaunching the same name resumes it."""
+    experiment: str = "run"
+    """What kind of run this is, set by the experiment preset (`demo`, `smoke`): the first part of
+    the default run.name."""
+
+    name: str = "${run.experiment}-${goodput.identity:}"
+    """Names the checkpoint dir, the run dir and the MLflow run: relaunching the same name resumes
+    it. By default the experiment plus 8 hex digits of the identity keys (what is trained; the table
+    in docs/config.md), so a command that trains something else is a new run and the same command
+    continues. A name given explicitly is kept; a `-m` sweep adds each job's overrides to it."""
 
     resume: str = "auto"
     """`auto` = the newest committed checkpoint that loads (falls back to older ones), `none` = start
@@ -93,6 +100,10 @@ class RunConfig:
     lock_stale_seconds: int = 120
     """A run lock without heartbeat for this long belongs to a dead job and is taken over. Shorter
     relaunches faster after a crash; too short lets a slow-but-alive job be joined by a second one."""
+
+    allow_config_change: bool = False
+    """Continue an existing run (an explicit run.name) whose identity keys differ from this launch's,
+    with a warning listing them; without it that launch is refused (exit 2), naming each key."""
 
 
 @dataclass
@@ -171,6 +182,7 @@ class Config:
 # imports it.
 RESOLVERS = {
     "goodput.options": options.listing,  # `--help`'s list of options (conf/hydra/default.yaml)
+    identity.RESOLVER: identity.resolve,  # run.name's digest of the identity keys (conf/run/)
 }
 
 
@@ -375,5 +387,6 @@ def validate(c: dict) -> Config:
 
 
 def config_hash(resolved: dict) -> str:
-    """The run's identity (of its resolved config): recorded in each commit, compared on resume."""
+    """A hash of the whole resolved config, recorded in each commit (what decides which run a launch
+    continues is the identity, goodput.identity, a digest of fewer keys)."""
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]

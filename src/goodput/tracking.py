@@ -219,6 +219,32 @@ def ensure_store(uri: str) -> None:
                 os.unlink(leftover)
 
 
+# Tags the job sets: the run's checkpoint dir (which runs a relaunch holding its lock may close),
+# its identity digest (goodput.identity), how many launches it has had, why it did not finish, and
+# how often a killed job left it RUNNING.
+CHECKPOINT_TAG, IDENTITY_TAG = "goodput.checkpoint_dir", "goodput.identity"
+LAUNCH_TAG, ERROR_TAG, LEFT_TAG = "goodput.launch", "error", "goodput.left_running"
+CHANGED = "changed."  # changed.<launch>.<key>: a key's new value from that launch on (params are immutable)
+
+
+def one_line(e: BaseException | str) -> str:
+    """An error as one line for the `error` tag: the type and the message, whitespace collapsed."""
+    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    return " ".join(str(text).split())[:1000]
+
+
+def _param_items(params: dict) -> dict[str, str]:
+    return {k[:250]: str(v)[:6000] for k, v in params.items()}
+
+
+def _log_params(client, run_id: str, params: dict[str, str]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in sorted(params.items())]
+    for i in range(0, len(items), 100):
+        _retry(client.log_batch, run_id, params=items[i : i + 100])
+
+
 def start_run(
     uri: str,
     experiment: str,
@@ -228,25 +254,127 @@ def start_run(
     artifact_location: str | None = None,
     tags: dict[str, str] | None = None,
 ) -> str:
-    """Create the job's run (or continue `run_id`). Called once, before any worker starts."""
-    from mlflow.entities import Param
+    """Create the job's run (or continue `run_id`: see continue_run). Called once, before any worker
+    starts. A run whose params cannot be logged is ended FAILED (with the error) before raising."""
     from mlflow.tracking import MlflowClient
 
     ensure_store(uri)
     client = MlflowClient(uri)
     if run_id is not None:
         try:
-            client.get_run(run_id)
-            client.set_tag(run_id, "resumed", "true")
-            return run_id
+            run = _retry(client.get_run, run_id)
         except Exception:
             log.warning("MLflow run %s from the checkpoint is not in %s: starting a new run", run_id, uri)
+        else:
+            continue_run(client, run, params, tags or {})
+            return run_id
     exp_id = get_or_create_experiment(client, experiment, artifact_location)
-    run = _retry(client.create_run, exp_id, run_name=run_name, tags=tags or {})
-    items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
-    for i in range(0, len(items), 100):
-        _retry(client.log_batch, run.info.run_id, params=items[i : i + 100])
+    run = _retry(client.create_run, exp_id, run_name=run_name, tags={**(tags or {}), LAUNCH_TAG: "1"})
+    try:
+        _log_params(client, run.info.run_id, _param_items(params))
+    except BaseException as e:
+        end_run(uri, run.info.run_id, e)
+        raise
     return run.info.run_id
+
+
+def log_json(uri: str, run_id: str, obj: dict, name: str) -> None:
+    """A small JSON artifact of the run (its identity.json); an artifact store that fails only warns."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        _retry(MlflowClient(uri).log_dict, run_id, obj, name)
+    except Exception as e:
+        log.warning("MLflow: could not log %s (%s)", name, e)
+
+
+def effective_params(params: dict[str, str]) -> dict[str, str]:
+    """A run's params as its last launch set them: the first launch's, then each `changed.<n>.<key>`."""
+    out = {k: v for k, v in params.items() if not k.startswith(CHANGED)}
+    changes = []
+    for k, v in params.items():
+        n, _, key = k[len(CHANGED) :].partition(".")
+        if k.startswith(CHANGED) and n.isascii() and n.isdigit() and key:
+            changes.append((int(n), key, v))
+    for _, key, v in sorted(changes):
+        out[key] = v
+    return out
+
+
+def continue_run(client: MlflowClient, run, params: dict, tags: dict[str, str]) -> None:
+    """A relaunch continues `run`: RUNNING again, and each param whose value differs from what the
+    run has recorded becomes `changed.<launch>.<key>` (MLflow refuses to change a param), with a
+    tag `changed.<launch>` listing them; keys the run never had are logged as plain params."""
+    run_id = run.info.run_id
+    launch = int(t) + 1 if (t := run.data.tags.get(LAUNCH_TAG, "1")).isascii() and t.isdigit() else 2
+    old, new = effective_params(run.data.params), _param_items(params)
+    changed = {k: v for k, v in new.items() if k in old and old[k] != v}
+    added = {k: v for k, v in new.items() if k not in old and k not in run.data.params}
+    _log_params(client, run_id, {**added, **{f"{CHANGED}{launch}.{k}"[:250]: v for k, v in changed.items()}})
+    summary = {f"{CHANGED}{launch}": "; ".join(f"{k}: {old[k]} -> {v}" for k, v in sorted(changed.items()))}
+    for k, v in {**tags, LAUNCH_TAG: str(launch), "resumed": "true", **(summary if changed else {})}.items():
+        _retry(client.set_tag, run_id, k, str(v)[:5000])
+    reopen(client, run_id)
+    if changed:
+        log.info("MLflow run %s: changed since its last launch: %s", run_id, summary[f"{CHANGED}{launch}"])
+
+
+def reopen(client: MlflowClient, run_id: str) -> None:
+    """The run is running again (a relaunch, an elastic restart): RUNNING, without the last error."""
+    run = _retry(client.get_run, run_id)
+    if ERROR_TAG in run.data.tags:
+        _retry(client.delete_tag, run_id, ERROR_TAG)
+    if run.info.status != "RUNNING":
+        _retry(client.update_run, run_id, "RUNNING")
+
+
+def end_run(uri: str, run_id: str | None, error: BaseException | str, status: str | None = None) -> None:
+    """End a run that did not finish, if nobody has: status FAILED (KILLED for an interrupt, or
+    `status`) with `error` as a one-line tag. A run someone already ended (a worker, which knows
+    the error best) is left as it is. Never raises: it runs on the way out of a failure."""
+    from mlflow.tracking import MlflowClient
+
+    if run_id is None:
+        return
+    if status is None:
+        status = "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED"
+    try:
+        client = MlflowClient(uri)
+        if _retry(client.get_run, run_id).info.status == "RUNNING":
+            _retry(client.set_tag, run_id, ERROR_TAG, one_line(error))
+            _retry(client.set_terminated, run_id, status)
+    except Exception as e:
+        log.warning("could not end MLflow run %s as %s (%s)", run_id, status, e)
+
+
+def close_leftovers(uri: str, experiment: str, checkpoint_dir: str) -> list[str]:
+    """Runs of `checkpoint_dir` (their CHECKPOINT_TAG) still RUNNING: each was left so by a job that
+    died without ending it (a SIGKILL, a lost node), so it is set KILLED with an `error` tag saying
+    so. Only a job holding the run lock of `checkpoint_dir` may call this: no live job owns such a
+    run then (the runs of other checkpoint dirs, a concurrent sweep's, are never touched). Returns
+    the ids closed."""
+    from mlflow.tracking import MlflowClient
+
+    ensure_store(uri)  # before any client: one opened on a missing store would create it in place
+    client = MlflowClient(uri)
+    exp = _retry(client.get_experiment_by_name, experiment)
+    if exp is None:
+        return []
+    found = _retry(client.search_runs, [exp.experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+    closed = []
+    for run in found:
+        if run.data.tags.get(CHECKPOINT_TAG) == checkpoint_dir:
+            why = (f"left RUNNING by a job that ended without closing it (killed?); closed at "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')} by the relaunch holding the run lock")  # fmt: skip
+            left = run.data.tags.get(LEFT_TAG, "0")  # kept when a relaunch continues the run
+            _retry(client.set_tag, run.info.run_id, LEFT_TAG, str(int(left) + 1 if left.isdigit() else 1))
+            _retry(client.set_tag, run.info.run_id, ERROR_TAG, why)
+            _retry(client.set_terminated, run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    if closed:
+        log.warning("MLflow: closed %d run(s) of %s left RUNNING by a killed job: %s", len(closed),
+                    checkpoint_dir, ", ".join(closed))  # fmt: skip
+    return closed
 
 
 def system_monitor(uri: str, run_id: str, interval_s: float):
@@ -283,10 +411,10 @@ class Tracker:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="mlflow-log", daemon=True)
         self._thread.start()
+        # a restarted worker's run was closed FAILED by the last one (and MLflow's system monitor
+        # stops at once on a run that is not RUNNING): it is running again
+        reopen(self.client, run_id)
         if system_metrics_interval_s:
-            # a restarted worker's run was closed FAILED by the last one: MLflow's monitor stops at
-            # once on a run that is not RUNNING, and the run is running again anyway
-            _retry(self.client.update_run, run_id, "RUNNING")
             self._system = system_monitor(uri, run_id, system_metrics_interval_s)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -352,7 +480,8 @@ class Tracker:
         except Exception as e:  # e.g. a protocol MLflow has no dataset source for (memory://)
             log.warning("MLflow: could not record the dataset %s (%s)", root, e)
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str = "FINISHED", error: BaseException | None = None) -> None:
+        """End the run: FINISHED, KILLED (interrupted, preempted) or FAILED, with `error` as a tag."""
         if self.enabled:
             if self._system is not None:  # its last samples, written before the run ends; bounded,
                 done = threading.Thread(target=self._system.finish, daemon=True)  # as the queue is
@@ -362,5 +491,7 @@ class Tracker:
             self._closing.set()
             self._q.put(None)
             self._thread.join(timeout=60)
+            if error is not None:
+                _retry(self.client.set_tag, self.run_id, ERROR_TAG, one_line(error))
             _retry(self.client.set_terminated, self.run_id, status)
             self.enabled = False

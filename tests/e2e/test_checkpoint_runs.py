@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from helpers import run_train
+from helpers import ckpt_dir, run_train
 
 from goodput.checkpoint import BACKENDS
 from goodput.model import SmallCNN, model_sha256
@@ -34,7 +34,7 @@ def test_kill_at_step_then_relaunch_is_bit_identical(tmp_path, smoke_reference, 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, smoke_reference, backend):
     ref = smoke_reference(backend)
     run_train(tmp_path, f"checkpoint={backend}", "fault.kill_during_save=8", expect_rc=-9)
-    step8 = tmp_path / "checkpoints" / "smoke" / "step-000000008"
+    step8 = ckpt_dir(tmp_path) / "step-000000008"
     assert step8.exists() and not (step8 / "COMMIT.json").exists()  # half-written, not committed
     _, s = run_train(tmp_path, f"checkpoint={backend}", "fault.kill_during_save=8")
     assert s["resumed_from_steps"] == [4]
@@ -85,5 +85,5 @@ def test_process_async_checkpointer_through_the_entry_point(tmp_path, smoke_refe
     _, s = run_train(tmp_path, *over, "fault.kill_at_step=9")
     assert s["resumed_from_steps"] and s["resumed_from_steps"][0] in (6, 8)
     assert s["model_sha256"] == ref["model_sha256"]
-    commit = json.loads((tmp_path / "checkpoints" / "smoke" / "step-000000012" / "COMMIT.json").read_text())
+    commit = json.loads((ckpt_dir(tmp_path) / "step-000000012" / "COMMIT.json").read_text())
     assert commit["backend"] == "dcp_async"

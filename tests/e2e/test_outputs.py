@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, check_config_change, compose_train, make_app, manager, run_train
+from helpers import REPO, check_config_change, ckpt_dir, compose_train, make_app, manager, run_train
 from hydra import compose, initialize_config_dir
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit
@@ -205,7 +205,7 @@ def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_pa
     _, ref = run_train(tmp_path / "ref", *cfg)
     assert ref["stop_reason"] == "early_stopping" and 0 < ref["steps"] < 60, ref["steps"]
     assert ref["best_step"] is not None and ref["best_value"] is not None
-    ck = tmp_path / "ref" / "checkpoints" / "smoke"
+    ck = ckpt_dir(tmp_path / "ref")
     kept = sorted(n for n in os.listdir(ck) if n.startswith("step-"))
     with open(ck / kept[-1] / COMMIT) as f:
         newest = json.load(f)

@@ -17,6 +17,7 @@ from helpers import (
     REPO,
     TRAIN,
     WEIGHT_RTOL,
+    ckpt_dir,
     final_weights,
     latest_summary,
     run_nodes,
@@ -56,7 +57,7 @@ def stopped_at_step_8(run, root: Path) -> None:
     """Make `root` what a 2-rank run leaves when it stops after its step-8 commit: a copy of the
     finished run `run` (from two_rank_runs) without the step-12 commit."""
     shutil.copytree(run[0], root, symlinks=True, dirs_exist_ok=True)
-    shutil.rmtree(root / "checkpoints" / "smoke" / "step-000000012")
+    shutil.rmtree(ckpt_dir(root) / "step-000000012")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -67,7 +68,7 @@ def test_two_rank_smoke(two_rank_runs, ddp_reference, strategy, backend):
     # Same global batches, GroupNorm, gloo sums in a fixed order: the wrapper does not change the maths.
     assert s["model_sha256"] == ddp_reference["model_sha256"]
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]
-    step12 = root / "checkpoints" / "smoke" / "step-000000012"
+    step12 = ckpt_dir(root) / "step-000000012"
     commit = json.loads((step12 / "COMMIT.json").read_text())
     assert commit["world_size"] == 2 and commit["backend"] == backend
     if backend != "torch_save":  # every rank wrote its own shard
@@ -124,9 +125,7 @@ def test_resume_on_another_world_size_or_strategy(
     if {first, second} == {"parallel=ddp", "parallel=fsdp"}:  # same world size, same arithmetic
         assert s["model_sha256"] == ddp_reference["model_sha256"]
     else:
-        gap = weight_gap(
-            final_weights(tmp_path / "checkpoints" / "smoke"), final_weights(ddp_reference["checkpoint_dir"])
-        )
+        gap = weight_gap(final_weights(ckpt_dir(tmp_path)), final_weights(ddp_reference["checkpoint_dir"]))
         print(f"{first} -> {second} ({backend}): largest relative weight difference {gap:.2e}")
         assert gap < WEIGHT_RTOL, gap
     if first == "parallel=single":  # rank 1 did not exist in the checkpoint: its RNG state is derived
@@ -148,9 +147,7 @@ def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, two_rank
     assert s["resumed_from_steps"] == [8]
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]  # everything else resumed
     assert s["model_sha256"] != ddp_reference["model_sha256"]
-    gap = weight_gap(
-        final_weights(tmp_path / "checkpoints" / "smoke"), final_weights(ddp_reference["checkpoint_dir"])
-    )
+    gap = weight_gap(final_weights(ckpt_dir(tmp_path)), final_weights(ddp_reference["checkpoint_dir"]))
     print(f"resume with fresh weights: largest relative weight difference {gap:.2e}")
     assert gap > 100 * WEIGHT_RTOL, gap
 

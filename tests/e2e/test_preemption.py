@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_train, start_train, train_cmd
+from mlflow.tracking import MlflowClient
 
 from goodput.checkpoint.layout import local_commits
 
@@ -56,11 +57,26 @@ def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *ov
     stopped = committed_steps(root)[-1]
     assert 0 < stopped < 40, f"stopped at {stopped}: the signal did not land mid-run"
     summary = json.loads(sorted(root.glob("runs/**/summary.json"), key=os.path.getmtime)[-1].read_text())
-    assert summary["preempted"] == sig.name and summary["steps"] == stopped
+    assert summary["preempted"] == sig.name and summary["steps"] == stopped and not summary["finished"]
+    # Not "done": the last line says where it stopped and how to go on; MLflow says KILLED (stopped,
+    # resumable) and has no model of these weights, whatever mlflow.log_model says.
+    # (the job's last line: under the elastic agent, multiprocessing's resource tracker may still print
+    # its own KeyError tracebacks as the process exits)
+    last = [line for line in out.splitlines() if "[goodput]" in line][-1]
+    assert f"stopped by {sig.name} at step {stopped} of 40" in last, out[-3000:]
+    assert "To continue, run the same command again: python " in last and "done:" not in out
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "KILLED" and "model.uri" not in run.data.tags
+    assert summary["mlflow_model_uri"] is None
     _, s = run_train(root, *overrides)
     assert s["resumed_from_steps"] == [stopped] and s["steps"] == 40
     assert s["model_sha256"] == ref["model_sha256"]
     assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+    run = client.get_run(s["mlflow_run_id"])
+    assert s["mlflow_run_id"] == summary["mlflow_run_id"] and run.info.status == "FINISHED"
+    if "mlflow.log_model=final" in overrides:  # finished now: the final model is the step-40 one
+        assert s["mlflow_model_uri"] and run.data.tags["model.checkpoint_step"] == "40"
 
 
 @pytest.mark.parametrize(
@@ -68,7 +84,8 @@ def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *ov
 )
 def test_process_group_signal_single(tmp_path, smoke_reference, sig):
     ref = smoke_reference("dcp_sync", *EXTRA)
-    check_preempted_then_resumed(tmp_path, sig, ref, "checkpoint=dcp_sync", *EXTRA)
+    model = ["mlflow.log_model=final"] if sig == signal.SIGINT else []  # Ctrl-C: no "final" model yet
+    check_preempted_then_resumed(tmp_path, sig, ref, "checkpoint=dcp_sync", *EXTRA, *model)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import run_train
+from helpers import ckpt_dir, run_train
 
 from goodput.data.dataset import DataRootError, ImageFolder
 from goodput.resilience.recovery import PHASES, AgentPhases, Recovery, agent_phases, failure_time, summarize
@@ -121,8 +121,8 @@ def test_two_kills_two_rounds_and_phases_within_the_tests_own_clock(tmp_path):
     assert s["restarts"] == 2 and s["steps"] == 12
     r = s["recovery"]
     assert r["restarts"] == 2 and r["extra_rounds"] == 0
-    markers = {f: json.loads((tmp_path / "checkpoints" / "smoke" / "faults" / f).read_text())
-               for f in os.listdir(tmp_path / "checkpoints" / "smoke" / "faults")}  # fmt: skip
+    markers = {f: json.loads((ckpt_dir(tmp_path) / "faults" / f).read_text())
+               for f in os.listdir(ckpt_dir(tmp_path) / "faults")}  # fmt: skip
     kills = sorted(m["time"] for m in markers.values())
     for n, rec in enumerate(r["per_restart"], start=1):
         assert rec["attempt"] == n and rec["round"] == n and rec["rounds"] == 1  # one round per failure

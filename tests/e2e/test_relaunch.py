@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import final_checkpoint_state, run_train, start_train, train_cmd
+from helpers import ckpt_dir, final_checkpoint_state, run_train, start_train, train_cmd
 
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.tracking import ensure_store, start_run
@@ -75,6 +75,14 @@ MARKERS = [
 ]
 
 
+def _runs(root) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    exp = client.get_experiment_by_name("goodput")
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
 def _phase(log: str) -> str:
     found = [(log.rfind(m), label) for m, label in MARKERS if m in log]
     return max(found)[1] if found else "start-up or restore"
@@ -117,7 +125,7 @@ def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tm
     extra = ("trainer.max_steps=16", "demo_data.train_per_class=150", "checkpoint.every_n_steps=2")
     ref = smoke_reference("dcp_async", *extra)
     rng = random.Random(7)
-    attempts = []
+    attempts, closed = [], []
     for trial in range(3):
         root = tmp_path / f"t{trial}"
         root.mkdir()
@@ -128,12 +136,17 @@ def test_random_kills_from_the_first_start_always_relaunch_to_the_clean_model(tm
             if rc == 0:
                 break
         _, s = run_train(root, "checkpoint=dcp_async", *extra)
-        model_sha, order_sha = final_checkpoint_state(root / "checkpoints" / "smoke")
+        model_sha, order_sha = final_checkpoint_state(ckpt_dir(root))
         assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"]), (trial, attempts)
         if s is not None:
             assert s["model_sha256"] == ref["model_sha256"]
         data = json.loads(next((root / "remote" / "data").glob(f"*/{COMPLETE}")).read_text())
         assert data["train"] == 1500
+        # A SIGKILL leaves the MLflow run RUNNING; the relaunch closed each (KILLED, saying so).
+        runs = [] if not (root / "mlflow.db").exists() else _runs(root)
+        assert [r.info.status for r in runs if r.info.status == "RUNNING"] == [], (trial, attempts)
+        closed += [r for r in runs if r.data.tags.get("goodput.left_running")]  # continued ones too
     print("attempts (trial, exit status, killed during):", attempts)
+    assert closed  # some kill landed while a run was open
     assert sum(rc == -signal.SIGKILL for _, rc, _ in attempts) >= 5
     assert len({phase for *_, phase in attempts} - {"finished"}) >= 3  # kills landed in several phases

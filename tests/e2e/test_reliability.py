@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import REPO, final_checkpoint_state, make_app, manager, run_train, train_cmd
+from helpers import REPO, ckpt_dir, final_checkpoint_state, make_app, manager, run_train, train_cmd
 
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource
@@ -54,7 +54,7 @@ def test_randomized_kills_always_resume_to_the_clean_result(tmp_path, smoke_refe
         assert s["model_sha256"] == ref["model_sha256"]
         assert s["sample_order_sha256"] == ref["sample_order_sha256"]
     # and what the newest committed checkpoint holds, read back from disk
-    model_sha, order_sha = final_checkpoint_state(tmp_path / "checkpoints" / "smoke")
+    model_sha, order_sha = final_checkpoint_state(ckpt_dir(tmp_path))
     assert (model_sha, order_sha) == (ref["model_sha256"], ref["sample_order_sha256"])
 
 
@@ -126,11 +126,11 @@ def test_second_job_on_the_same_run_is_refused_then_stale_lock_is_taken_over(tmp
         train_cmd(tmp_path, "trainer.max_steps=100000", "checkpoint.every_n_steps=50"),
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
-    lock = tmp_path / "checkpoints" / "smoke" / "LOCK.json"
     try:
         deadline = time.time() + 120
-        while not lock.exists() and time.time() < deadline:
+        while not list(tmp_path.glob("checkpoints/*/LOCK.json")) and time.time() < deadline:
             time.sleep(0.2)
+        lock = ckpt_dir(tmp_path) / "LOCK.json"  # (max_steps is not an identity key: the same run)
         assert lock.exists()
         p, _ = run_train(tmp_path, expect_rc=2)
         out = p.stdout + p.stderr

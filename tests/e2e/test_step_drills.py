@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FORGET_WEIGHTS, REPO, TRAIN, entry_env, latest_summary, run_train
+from helpers import FORGET_WEIGHTS, REPO, TRAIN, ckpt_dir, entry_env, latest_summary, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def checkpoint_state(root) -> tuple[dict[str, torch.Tensor], dict]:
     from goodput.checkpoint.layout import local_commits
     from goodput.checkpoint.state import decode
 
-    newest = Path(local_commits(Path(root) / "checkpoints" / "smoke")[-1][1])
+    newest = Path(local_commits(ckpt_dir(root))[-1][1])
     reader = SafeFileSystemReader(str(newest))
     md = reader.read_metadata().state_dict_metadata
     sd = {
@@ -82,7 +82,7 @@ def state_gap(got, want, same_world: bool) -> float:
 
 
 def fired(root) -> list[str]:
-    return sorted(p.name for p in (Path(root) / "checkpoints" / "smoke" / "faults").glob("*.fired"))
+    return sorted(p.name for p in (ckpt_dir(root) / "faults").glob("*.fired"))
 
 
 def test_all_switches_kill_between_micro_steps_ddp_then_one_process(tmp_path):

@@ -260,7 +260,7 @@ def test_the_job_process_checks_commits_without_a_backend_or_staging(tmp_path, d
     monkeypatch.setattr(cls, "__init__", recorded_init)
     monkeypatch.setenv("RANK", "1")
     step7 = f"{ck['dir']}/step-000000007"
-    with pytest.raises(AlreadyDone, match="already reached step 7"):  # listed and verified
+    with pytest.raises(AlreadyDone, match="is complete: it reached step 7"):  # listed and verified
         prepare(compose_job("trainer.max_steps=7"), str(tmp_path / "run"))
     prepare(compose_job("trainer.max_steps=7", f"run.resume={step7}"), str(tmp_path / "run"))
     with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):

@@ -51,7 +51,8 @@ def test_every_option_composes_and_resolves(group, option):
 
 def test_the_default_is_the_demo_job():
     c = OmegaConf.to_container(compose_train([]), resolve=True)
-    assert c["run"]["name"] == "demo" and c["trainer"]["max_steps"] == 300
+    assert c["run"]["experiment"] == "demo" and c["trainer"]["max_steps"] == 300
+    assert re.fullmatch(r"demo-[0-9a-f]{8}", c["run"]["name"])  # named by what it trains (test_identity)
     assert c["data"]["source"]["_target_"] == "goodput.data.sources.CachedSource"
     backend = {"_target_": "goodput.checkpoint.backends.DCPAsync", "async_type": "thread"}
     assert c["checkpoint"]["backend"] == backend

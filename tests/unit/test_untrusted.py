@@ -554,7 +554,7 @@ def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1,
     c = _job_cfg(tmp_path, "theirs", max_steps=12)  # the run that wrote it does continue it
     ctx = _prepare_run(c, CTX, mgr, mgr.committed(), True, {})
     assert ctx.mlflow_run_id == theirs
-    assert any("under another config" in r.message for r in caplog.records)
+    assert any("records no run identity" in r.message for r in caplog.records)
 
 
 # -- caches that outlive the truth -------------------------------------------------------------------

@@ -130,6 +130,15 @@ def parse_commit(data: bytes, rel: str) -> dict:
         raise CommitError(f"bad metric record {metric!r}")
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
+    ident = rec.get("identity")  # goodput.identity.record: compared with a relaunch's, printed in its refusal
+    if ident is not None and not (
+        isinstance(ident, dict)
+        and isinstance(ident.get("digest"), str)
+        and isinstance(ident.get("keys"), dict)
+    ):
+        raise CommitError(f"bad identity record {ident!r:.200}")
+    if rec.get("max_steps") is not None and not (_int(rec["max_steps"]) and rec["max_steps"] > 0):
+        raise CommitError(f"bad max_steps {rec['max_steps']!r}")
     rec["files"] = check_files(rec.get("files"))
     rec["dir"] = rel
     return rec

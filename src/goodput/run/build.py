@@ -61,8 +61,27 @@ def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> Chec
         local_rank,
         pg=pg,
         commit_info={"config_hash": ctx and ctx.config_hash, "mlflow_run_id": ctx and ctx.mlflow_run_id,
-                     "run": c.run.name},
+                     "run": c.run.name, "identity": ctx and ctx.identity, "max_steps": c.trainer.max_steps},
     )  # fmt: skip
+
+
+def lr_trace(optimizer: dict, schedule: dict, steps: list[int], limit: int = 100_000) -> list[float] | None:
+    """The LR an `optim` pair of nodes (resolved) gives after each of `steps` optimizer steps, on one
+    dummy parameter; None past `limit` steps or for a schedule that cannot be built this way."""
+    if max(steps) > limit:
+        return None
+    try:
+        opt = instantiate(optimizer)(params=[torch.nn.Parameter(torch.zeros(1))])
+        sched, done, out = instantiate(schedule)(opt), 0, {}
+        for s in sorted(set(steps)):
+            for _ in range(s - done):
+                opt.step()  # no gradient: nothing moves, but the schedule sees a step after it
+                sched.step()
+            done, out[s] = s, sched.get_last_lr()[0]
+    except Exception as e:
+        log.debug("lr_trace: %s", e)
+        return None
+    return [out[s] for s in steps]
 
 
 def checkpoint_commits(c: Config) -> Commits:

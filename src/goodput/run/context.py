@@ -1,13 +1,13 @@
 """What a launch *is*, apart from what it is configured to do.
 
 goodput.run.job.prepare makes one per job and passes it beside the config to every rank; nothing
-here is a config key, so nothing here can be overridden, hashed into the run's identity or logged
-as an MLflow param.
+here is a config key, so nothing here can be overridden, hashed into the config hash or logged
+as an MLflow param (the identity is derived from the config, goodput.identity).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,15 @@ class RunContext:
     wall clock counts from it."""
 
     config_hash: str
-    """The resolved config's identity, recorded in every commit (goodput.config.config_hash)."""
+    """A hash of the whole resolved config, recorded in every commit (goodput.config.config_hash)."""
 
     mlflow_run_id: str | None = None
     """The MLflow run this launch logs to (global rank 0 opens it; None on the other ranks until
     the worker receives rank 0's)."""
+
+    identity: dict = field(default_factory=dict)
+    """What this launch trains: {"digest", "keys": {identity key: value}} (goodput.identity.record),
+    recorded in every commit and compared with the commit a relaunch continues."""
 
     def with_rank0(self, mlflow_run_id: str | None, run_dir: str) -> RunContext:
         """Under an external launcher every rank prepared its own: the job's are rank 0's."""

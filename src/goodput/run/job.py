@@ -8,6 +8,7 @@ data, overwrite, the MLflow run) and tells the others in goodput.run.worker.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
@@ -17,14 +18,25 @@ from dataclasses import replace
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from goodput import identity
 from goodput.checkpoint.export import SourceError, locate
 from goodput.config import Config, config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
+from goodput.errors import UserError
 from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
 from goodput.run import build
 from goodput.run.context import RunContext
-from goodput.tracking import flatten, source_tags, start_run
+from goodput.tracking import (
+    CHECKPOINT_TAG,
+    IDENTITY_TAG,
+    close_leftovers,
+    end_run,
+    flatten,
+    log_json,
+    source_tags,
+    start_run,
+)
 
 log = logging.getLogger("goodput")
 
@@ -36,6 +48,10 @@ class AlreadyDone(Exception):
     pass
 
 
+class IdentityChanged(UserError, ValueError):
+    """An existing run (an explicit run.name) was trained with other identity keys."""
+
+
 def prepare(
     cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
 ) -> tuple[Config, RunContext, RunLock | None]:
@@ -45,8 +61,9 @@ def prepare(
     OmegaConf.set_struct(cfg, False)
     if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
         cfg.paths.root = os.path.abspath(str(cfg.paths.root))  # async daemons and workers need absolute paths
-    if multirun_suffix:
-        cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"  # each sweep job gets its own checkpoints
+    if multirun_suffix:  # each sweep job its own run, also when the sweep is over non-identity keys
+        cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"
+    ident = identity.record(cfg)  # from the composed config: some values count as written
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # The goodput ledger counts this launch from the process's start, imports included; the later
     # jobs of a sweep run in the same process (Hydra's basic launcher), each from its own start.
@@ -56,7 +73,7 @@ def prepare(
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
     params = flatten(resolved)  # the MLflow params, and (hashed) the run's identity
     params.update({f"choice.{k}": str(v) for k, v in choices.items()})
-    ctx = RunContext(run_dir, job_start, config_hash(params))
+    ctx = RunContext(run_dir, job_start, config_hash(params), identity=ident)
     leader = int(os.environ.get("RANK", "0")) == 0
 
     if leader:
@@ -68,7 +85,7 @@ def prepare(
         lock = RunLock(view.storage, c.run.lock_stale_seconds)
         lock.acquire()
     try:
-        ctx = _prepare_run(c, ctx, view, committed, leader, params)
+        ctx = _prepare_run(c, ctx, view, committed, leader, params, cfg)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -76,10 +93,21 @@ def prepare(
     return c, ctx, lock
 
 
-def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool, params: dict) -> RunContext:
+def _prepare_run(
+    c: Config,
+    ctx: RunContext,
+    view,
+    committed: list,
+    leader: bool,
+    params: dict,
+    cfg: DictConfig | None = None,
+) -> RunContext:
+    """Decide what this launch continues (refusing a changed identity), then open its MLflow run.
+    `cfg`: the composed config, for the LR schedule's numbers when trainer.max_steps changed."""
     resume, store = str(c.run.resume), view.storage
+    explicit = None
     if resume not in ("auto", "none"):  # fail now, with exit 2, rather than inside the workers
-        view.resolve(resume)
+        explicit = view.resolve(resume)
     if leader and resume == "none" and (committed or store.ls("attempts")):
         if not c.run.overwrite:
             raise FileExistsError(
@@ -100,11 +128,16 @@ def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = view.newest_verified(committed) if resume == "auto" and committed else None
+    check_identity(c, ctx, explicit or newest, store)  # before any work: the refusal is exit 2
+    m = c.mlflow
+    if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
+        close_leftovers(m.tracking_uri, m.experiment, store.url())
     if newest is not None and newest["step"] >= c.trainer.max_steps:
         raise AlreadyDone(
-            f"run '{c.run.name}' already reached step {newest['step']} "
-            f"(trainer.max_steps={c.trainer.max_steps}): nothing to do. "
-            f"Checkpoint: {store.url(newest['dir'])}"
+            f"run '{c.run.name}' is complete: it reached step {newest['step']} "
+            f"(trainer.max_steps={c.trainer.max_steps}); nothing to do. Raise trainer.max_steps to train "
+            f"it further; a command that changes what is trained is a new run. Checkpoint: "
+            f"{store.url(newest['dir'])}"
         )
     if newest is not None and newest.get("stop_reason"):
         raise AlreadyDone(
@@ -112,15 +145,13 @@ def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool
             f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"
         )
     previous_run_id = _run_to_continue(c, newest, store)
-    if newest is not None and newest.get("config_hash") not in (None, ctx.config_hash):
-        log.warning(
-            "%s was written under another config (hash %s, this launch %s): continuing it as run '%s'; "
-            "the changed keys are in the MLflow params", store.url(newest["dir"]), newest.get("config_hash"),
-            ctx.config_hash, c.run.name,
-        )  # fmt: skip
+    start = explicit or newest
+    log.info("run '%s': %s", c.run.name, f"continues from step {start['step']}" if start else "a new run")
+    if cfg is not None and newest is not None and newest.get("max_steps") not in (None, c.trainer.max_steps):
+        log.warning("%s", longer_run(cfg, newest["step"], newest["max_steps"], c.trainer.max_steps))
     if not leader:
         return ctx
-    m = c.mlflow
+    tags = {CHECKPOINT_TAG: store.url(), IDENTITY_TAG: ctx.identity.get("digest", "")}
     run_id = start_run(
         m.tracking_uri,
         m.experiment,
@@ -128,9 +159,71 @@ def _prepare_run(c: Config, ctx: RunContext, view, committed: list, leader: bool
         params,
         previous_run_id,
         m.artifact_location,
-        tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id)},
+        tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags},
     )
+    log_json(m.tracking_uri, run_id, ctx.identity, "identity.json")  # the keys and values of the digest
     return replace(ctx, mlflow_run_id=run_id)
+
+
+def check_identity(c: Config, ctx: RunContext, rec: dict | None, store) -> None:
+    """The commit a launch would continue was trained with this launch's identity keys; if not, the
+    launch is refused naming each key with both values, unless run.allow_config_change (a warning)."""
+    allow = c.run.allow_config_change
+    if rec is None:
+        return
+    theirs = rec.get("identity")
+    if theirs is None:  # written before commits recorded it
+        log.warning(
+            "%s records no run identity (written by an older version): continuing run '%s' without "
+            "checking that it trains the same thing", store.url(rec["dir"]), c.run.name,
+        )  # fmt: skip
+        return
+    diff = identity.differences(theirs["keys"], ctx.identity["keys"])
+    if not diff:
+        return
+    if not allow:
+        raise IdentityChanged(
+            f"run '{c.run.name}' ({store.url()}) was trained with other identity keys than this launch: "
+            f"{identity.describe(diff)}. Leave run.name unset (a new run, named by what it trains), "
+            f"choose another run.name, or set run.allow_config_change=true to continue it anyway"
+        )
+    log.warning(
+        "run.allow_config_change=true: continuing run '%s' with changed identity keys: %s",
+        c.run.name, identity.describe(diff),
+    )  # fmt: skip
+
+
+def longer_run(cfg: DictConfig, step: int, old_max: int, new_max: int) -> str:
+    """What a changed trainer.max_steps does to a continued run, the LR schedule's numbers included."""
+    said = f"trainer.max_steps {old_max} -> {new_max}: the run continues from step {step} to {new_max}."
+    before = cfg.copy()
+    before.trainer.max_steps = old_max
+    old_node = OmegaConf.to_container(before.optim.schedule, resolve=True)
+    new_node = OmegaConf.to_container(cfg.optim.schedule, resolve=True)
+    moved = [
+        f"optim.schedule.{k} {old_node.get(k)} -> {v}" for k, v in new_node.items() if old_node.get(k) != v
+    ]
+    if not moved:
+        return f"{said} The LR schedule does not depend on trainer.max_steps: it goes on as it was."
+    optimizer = OmegaConf.to_container(cfg.optim.optimizer, resolve=True)
+    was = build.lr_trace(optimizer, old_node, [step])
+    now = build.lr_trace(optimizer, new_node, [step, new_max])
+    if was is None or now is None:
+        return f"{said} The LR schedule follows it ({', '.join(moved)}): the LR changes from the resume on."
+    jump = (
+        "the same LR, no jump" if math.isclose(was[0], now[0], rel_tol=1e-9)
+        else f"x{now[0] / was[0]:.3g}: the LR jumps at the resume" if was[0] else "the LR jumps at the resume"
+    )  # fmt: skip
+    return (
+        f"{said} The LR schedule follows it ({', '.join(moved)}): after step {step} the old schedule gave "
+        f"LR {was[0]:.4g}, the new one gives {now[0]:.4g} ({jump}), then {now[1]:.4g} at step {new_max}."
+    )
+
+
+def close_failed(c: Config, ctx: RunContext, e: BaseException) -> None:
+    """The job failed (or was interrupted) after its MLflow run was opened: end the run FAILED
+    (KILLED for an interrupt) with the error as a tag, unless a worker ended it already."""
+    end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, e)
 
 
 def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:

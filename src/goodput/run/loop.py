@@ -124,4 +124,5 @@ def train(t) -> dict:
         t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
     reason = "early_stopping" if t.early_stopping.stopped_at == step < max_steps else None
     return {"steps": step, "final_loss": loss_val, "val_accuracy": val_acc, "preempted": stop.received,
-            "stop_reason": reason, "evaluation": last_eval}  # fmt: skip
+            "stop_reason": reason, "evaluation": last_eval,
+            "finished": step >= max_steps or reason is not None}  # fmt: skip  # else: stopped by a signal

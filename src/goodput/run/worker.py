@@ -16,7 +16,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from goodput import logs, publish
+from goodput import logs, publish, tracking
 from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import init_from, resume
 from goodput.config import Config
@@ -48,7 +48,12 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     recovery.mark("pg_ready")
     logs.setup(d.rank, ctx.run_dir)
     ctx = _rank0_view(ctx, d)
-    t, finished = None, False
+    t, status, error = None, "FAILED", None
+
+    def end_run(status: str, error: BaseException) -> None:  # before the Trainer (its tracker) exists
+        if d.rank == 0:
+            tracking.end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, error, status)
+
     try:
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
@@ -66,16 +71,19 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         t.watchdog.stop()  # training is over: the end of the run bounds its own waits (write_summary)
         result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
         summary = write_summary(t, result) if d.rank == 0 else None
-        finished = True
+        status = "FINISHED" if result["finished"] else "KILLED"  # KILLED: stopped by a signal, resumable
         return summary
     except BaseException as e:
+        status, error = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", e
         if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
-            fail_fast(e, t, ctx.run_dir, d.rank)
+            fail_fast(e, t.tracker.close if t is not None else end_run, ctx.run_dir, d.rank)
         raise
     finally:
         if t is not None:
             t.close()
-            t.tracker.close("FINISHED" if finished else "FAILED")
+            t.tracker.close(status, error)
+        else:  # the build failed (a bad _target_, a data error)
+            end_run(status, error)
         shutdown_distributed()
 
 
@@ -120,10 +128,12 @@ def write_summary(t: Trainer, result: dict) -> dict:
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
     books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
     goodput = books["goodput"]
-    # The logged model's input example (its signature): two samples of the val view
-    example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
-    bound = c.mlflow.artifact_timeout_s  # each upload to the artifact store: a store that hangs
-    model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
+    model_uri = None
+    if result["finished"]:  # a stopped run's weights are not its result: logged when it finishes
+        # The logged model's input example (its signature): two samples of the val view
+        example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
+        bound = c.mlflow.artifact_timeout_s  # each upload to the artifact store: a store that hangs
+        model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
     summary = {
         **result,
         "val": ev.metrics(classes) if ev is not None else None,
@@ -159,15 +169,16 @@ def write_summary(t: Trainer, result: dict) -> dict:
     return summary
 
 
-def fail_fast(e: BaseException, t: Trainer | None, run_dir: str, rank: int) -> None:
+def fail_fast(e: BaseException, end_run, run_dir: str, rank: int) -> None:
     """A rank that failed under the elastic agent (usually: a peer died in a collective) has one job
     left: exit, because the agent restarts nobody until every rank of the group is gone. Python's
     own teardown (DataLoader workers joined, prefetch threads drained) takes seconds, and waiting
     for a checkpoint in flight can hang: its commit needs the dead peer (until the SIGTERM grace
     runs out; docs/benchmarks.md, "Recovery"). A save that did not commit is cleaned up by the next
-    attempt. So: flush the MLflow queue (at most 2 s), leave the error file the agent reports (as
-    torch's @record would), and exit at once. A refusal (UserError) is no reason to restart: it is
-    left for the agent's process to print as one line (goodput.run.refusal), exit REFUSED."""
+    attempt. So: end the MLflow run FAILED (`end_run(status, error)`; its queue flushed; at most 2 s),
+    leave the error file the agent reports (as torch's @record would), and exit at once. A refusal
+    (UserError) is no reason to restart: it is left for the agent's process to print as one line
+    (goodput.run.refusal), exit REFUSED."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     status = 1
@@ -177,10 +188,9 @@ def fail_fast(e: BaseException, t: Trainer | None, run_dir: str, rank: int) -> N
             status = refusal.REFUSED
         else:
             log.error("rank failed, exiting for a restart: %r", e, exc_info=e)
-        if t is not None:
-            flush = threading.Thread(target=t.tracker.close, args=("FAILED",), daemon=True)
-            flush.start()
-            flush.join(timeout=2)
+        flush = threading.Thread(target=end_run, args=("FAILED", e), daemon=True)
+        flush.start()
+        flush.join(timeout=2)
         ErrorHandler().record_exception(e)
     except BaseException as cleanup:
         log.error("while failing: %r", cleanup)

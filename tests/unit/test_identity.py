@@ -1,0 +1,404 @@
+"""Run identity: every key classified (in one table, the docs' table generated from it), the default
+run name (experiment + digest of the identity keys), and what `prepare` decides from it: a new run
+for a new config, a refusal naming each changed key for an explicit name, a longer run that says
+what its LR does, the MLflow run's states (changed keys recorded, leftovers closed, failures FAILED)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, make_app
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from goodput import identity
+from goodput.config import SCHEMAS
+from goodput.errors import UserError
+from goodput.parallel import LAUNCHER_ENV
+from goodput.resilience.lock import RunLocked
+from goodput.run import build, job
+from goodput.run.schedule import lr_schedule
+
+CONF = REPO / "conf"
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+def composed(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=["experiment=smoke", *overrides], return_hydra_config=hydra)
+
+
+def name_of(*overrides: str) -> str:
+    return OmegaConf.to_container(composed(*overrides), resolve=True)["run"]["name"]
+
+
+# -- the classification ------------------------------------------------------------------------------
+def schema_keys(schemas: dict) -> set[str]:
+    """Every schema field as a dotted key, and conf/train.yaml's own keys (seed; the model node)."""
+    out = {"seed", "model"}
+    for group, schema in schemas.items():
+        out |= {f"{group.replace('/', '.')}.{f.name}" for f in dataclasses.fields(schema)}
+    return out
+
+
+def unclassified(schemas: dict) -> list[str]:
+    """Schema keys with neither a row of their own nor a `key.*` row (an open `_target_` node)."""
+    return sorted(k for k in schema_keys(schemas) if k not in identity.KEYS and k not in identity.NODES)
+
+
+def option_leaves() -> set[str]:
+    """The keys of every option of every group, composed (what is under the open nodes included)."""
+    out = set()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for f in sorted(CONF.rglob("*.yaml")):
+            group = f.parent.relative_to(CONF).as_posix()
+            if group == "." or group.split("/")[0] in ("hydra", "hparams_search"):
+                continue
+            cfg = compose("train", overrides=[f"{group}={f.stem}"])
+            out |= {k for k, _ in identity.leaves(OmegaConf.to_container(cfg, resolve=False))}
+    return out
+
+
+def test_every_schema_key_and_every_option_key_is_classified():
+    """A schema key without a row in goodput.identity.TABLE fails here: adding a key means deciding
+    whether changing it makes another training run. Every key an option file composes is covered
+    (by its row or its open node's), and every row names a key that exists."""
+    assert unclassified(SCHEMAS) == []
+    leaves = option_leaves()
+    assert sorted(k for k in leaves if identity.classify(k) is None) == []
+    schema = schema_keys(SCHEMAS)
+    stale = [k for k in identity.KEYS if k not in schema and k not in leaves]
+    stale += [k for k in identity.NODES if k not in schema]
+    assert stale == [], "rows for keys no schema or option has"
+
+
+def test_a_new_schema_key_without_a_row_is_caught():
+    from goodput.run.config import TrainerConfig
+
+    @dataclasses.dataclass
+    class Planted(TrainerConfig):
+        label_smoothing: float = 0.0
+        """A new switch of the step."""
+
+    assert unclassified({**SCHEMAS, "trainer": Planted}) == ["trainer.label_smoothing"]
+    assert identity.is_identity("trainer.label_smoothing")  # unclassified at run time: a new run
+
+
+def test_docs_config_md_has_the_table_of_the_code():
+    page = (REPO / "docs" / "config.md").read_text()
+    m = re.search(r"<!-- identity-table -->\n(.*?)\n<!-- /identity-table -->", page, re.S)
+    assert m, "docs/config.md: no <!-- identity-table --> section"
+    assert m.group(1) == identity.markdown_table(), "regenerate: goodput.identity.markdown_table()"
+
+
+# -- the name ------------------------------------------------------------------------------------------
+def test_the_name_is_the_experiment_plus_the_digest_of_the_identity_keys():
+    cfg = composed()
+    assert cfg.run.name == f"smoke-{identity.digest(identity.keys(cfg))}"
+    assert re.fullmatch(r"smoke-[0-9a-f]{8}", cfg.run.name)
+    assert name_of("experiment=demo").startswith("demo-")
+
+
+SAME_RUN = [
+    "checkpoint=torch_save", "parallel=ddp", "data=remote", "fault.kill_at_step=3", "trainer.max_steps=99",
+    "paths.root=/elsewhere", "mlflow.log_model=final", "data.num_workers=3", "trainer.eval_every_n_steps=5",
+    "checkpoint.every_n_steps=7", "trainer.num_threads=2",
+]  # fmt: skip
+OTHER_RUN = [
+    "model=resnet18", "model.width=16", "seed=1", "data.root=/data/flowers", "optim=adamw",
+    "optim.optimizer.lr=0.01", "augment=none", "trainer.precision=bf16-mixed", "trainer.global_batch_size=32",
+    "data.image_size=32", "data=shards", "optim.schedule.total_steps=12", "trainer.micro_batch_size=8",
+    "demo_data.train_per_class=30", "optim/schedule=step",
+]  # fmt: skip
+
+
+def test_what_is_trained_decides_the_name_and_nothing_else_does():
+    """Keys that may change between relaunches of one run keep its name (trainer.max_steps too: the
+    schedule's `${trainer.max_steps}` counts as written); each key that changes what is trained
+    gives another name (optim.schedule.total_steps=12 given explicitly too, although it equals
+    max_steps: then raising max_steps no longer moves it)."""
+    base = name_of()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+
+        def name(o):
+            cfg = compose("train", overrides=["experiment=smoke", *o.split()])
+            return OmegaConf.to_container(cfg, resolve=True)["run"]["name"]
+
+        assert {o: name(o) for o in SAME_RUN} == {o: base for o in SAME_RUN}
+        others = {o: name(o) for o in OTHER_RUN}
+    assert base not in others.values() and len(set(others.values())) == len(OTHER_RUN), others
+
+
+def test_the_paths_follow_the_name_and_an_explicit_name_is_kept():
+    cfg = composed("paths.root=/r", hydra=True)
+    name = cfg.run.name
+    assert cfg.hydra.run.dir.startswith(f"/r/runs/{name}/")  # Hydra resolves it before the task runs
+    assert (cfg.checkpoint.dir, cfg.checkpoint.staging_dir) == (
+        f"/r/checkpoints/{name}",
+        f"/r/staging/{name}",
+    )
+    explicit = composed("paths.root=/r", "run.name=mine", hydra=True)
+    assert explicit.checkpoint.dir == "/r/checkpoints/mine" and "/runs/mine/" in explicit.hydra.run.dir
+
+
+def test_hydra_registers_the_resolver_by_itself_without_torch():
+    """hydra_plugins.goodput_config: Hydra's plugin discovery imports it, so any composition sees
+    `${goodput.identity:}`; importing it pulls in no torch."""
+    code = (
+        "import sys\nfrom omegaconf import OmegaConf\nfrom hydra.core.plugins import Plugins\n"
+        "assert not OmegaConf.has_resolver('goodput.identity')\nPlugins.instance()\n"
+        "assert OmegaConf.has_resolver('goodput.identity')\nassert 'torch' not in sys.modules, 'torch'\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+# -- prepare: what a launch continues ------------------------------------------------------------------
+class Store:
+    """A paths.root and MLflow store in tmp, `prepare` on smoke configs there (the lock released, as
+    a finished job leaves it), and commits written by the run's real checkpoint manager."""
+
+    def __init__(self, tmp_path, dist):
+        self.root, self.dist = tmp_path, dist
+        self.uri = f"sqlite:///{tmp_path}/mlflow.db"
+        self.client = MlflowClient(self.uri)
+
+    def prepare(self, *overrides: str, release: bool = True):
+        cfg = composed(f"paths.root={self.root}", f"mlflow.tracking_uri={self.uri}", "checkpoint=dcp_sync",
+                       *overrides)  # fmt: skip
+        c, ctx, lock = job.prepare(cfg, str(self.root / "run"))
+        if release:
+            lock.release()
+        return c, ctx
+
+    def commit(self, c, ctx, step: int) -> None:
+        mgr = build.checkpoint_manager(c, ctx, self.dist)
+        mgr.save(step, make_app(step)[0])
+        mgr.wait()
+
+    def runs(self) -> list:
+        exp = self.client.get_experiment_by_name("goodput")
+        return self.client.search_runs([exp.experiment_id]) if exp else []
+
+
+@pytest.fixture
+def store(tmp_path, dist1):
+    return Store(tmp_path, dist1)
+
+
+def test_an_unfinished_run_and_a_new_config_is_a_new_run(store):
+    c, ctx = store.prepare()
+    store.commit(c, ctx, 4)  # 4 of 12 steps
+    c2, ctx2 = store.prepare("model.width=16")
+    assert c2.run.name != c.run.name and c2.checkpoint.dir != c.checkpoint.dir
+    assert ctx2.mlflow_run_id != ctx.mlflow_run_id
+    assert os.listdir(c2.checkpoint.dir) == []  # nothing of the other run's weights
+    c3, ctx3 = store.prepare("trainer.max_steps=20", "data=remote")  # the same run, relaunched otherwise
+    assert c3.checkpoint.dir == c.checkpoint.dir and ctx3.mlflow_run_id == ctx.mlflow_run_id
+
+
+def test_each_job_of_a_sweep_gets_its_own_run(store):
+    """scripts/train.py passes a -m job's overrides as the suffix: a sweep over keys that are not
+    identity keys (the same digest) still makes one run per job."""
+    cfg = composed(f"paths.root={store.root}", f"mlflow.tracking_uri={store.uri}", "checkpoint=torch_save")
+    c, ctx, lock = job.prepare(cfg, str(store.root / "run"), "checkpoint=torch_save")
+    lock.release()
+    assert c.run.name == f"{cfg.run.name}/checkpoint=torch_save"
+    assert c.checkpoint.dir == f"{store.root}/checkpoints/{cfg.run.name}/checkpoint=torch_save"
+    assert store.client.get_run(ctx.mlflow_run_id).info.run_name == c.run.name
+
+
+def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store, caplog):
+    c, ctx = store.prepare()
+    store.commit(c, ctx, 4)
+    before = {r.info.run_id for r in store.runs()}
+    with pytest.raises(job.IdentityChanged) as e:
+        store.prepare(f"run.name={c.run.name}", "model.width=16", "optim.optimizer.lr=0.05")
+    assert isinstance(e.value, UserError)  # scripts/train.py: one line, exit 2
+    msg = str(e.value)
+    assert "model.width (the run: 32, this launch: 16)" in msg
+    assert "optim.optimizer.lr (the run: 0.1, this launch: 0.05)" in msg and "run.allow_config_change" in msg
+    assert {r.info.run_id for r in store.runs()} == before  # no MLflow run opened
+    # forced: continued, with a warning listing the keys, and the MLflow run says what changed
+    with caplog.at_level(logging.WARNING):
+        c2, ctx2 = store.prepare(
+            f"run.name={c.run.name}", "optim.optimizer.lr=0.05", "run.allow_config_change=true"
+        )
+    assert (
+        "continuing run" in caplog.text
+        and "optim.optimizer.lr (the run: 0.1, this launch: 0.05)" in caplog.text
+    )
+    assert ctx2.mlflow_run_id == ctx.mlflow_run_id
+    run = store.client.get_run(ctx.mlflow_run_id)
+    assert (
+        run.data.params["optim.optimizer.lr"] == "0.1"
+        and run.data.params["changed.2.optim.optimizer.lr"] == "0.05"
+    )
+    assert run.data.tags["goodput.identity"] == ctx2.identity["digest"] != ctx.identity["digest"]
+    with open(store.client.download_artifacts(ctx.mlflow_run_id, "identity.json")) as f:
+        recorded = json.load(f)
+    assert recorded == ctx2.identity and recorded["keys"]["optim.optimizer.lr"] == 0.05
+
+
+def test_raising_max_steps_continues_the_finished_run_and_says_what_the_lr_does(store, caplog):
+    warm = "optim.schedule.warmup_steps=2"
+    c, ctx = store.prepare(warm)
+    store.commit(c, ctx, 12)  # finished: 12 of 12
+    with pytest.raises(job.AlreadyDone, match="is complete: it reached step 12"):
+        store.prepare(warm)
+    with caplog.at_level(logging.WARNING):
+        c2, ctx2 = store.prepare(warm, "trainer.max_steps=24")
+    assert c2.run.name == c.run.name and ctx2.mlflow_run_id == ctx.mlflow_run_id
+    old = 0.1 * lr_schedule(2, 12, 0.05)(12)  # the end of the old cosine: lr x min_lr_ratio
+    new, end = (0.1 * lr_schedule(2, 24, 0.05)(s) for s in (12, 24))
+    assert math.isclose(old, 0.005) and new > 5 * old
+    text = caplog.text
+    assert "trainer.max_steps 12 -> 24: the run continues from step 12 to 24" in text
+    assert "optim.schedule.total_steps 12 -> 24" in text
+    assert f"the old schedule gave LR {old:.4g}, the new one gives {new:.4g}" in text
+    assert f"x{new / old:.3g}: the LR jumps at the resume" in text and f"then {end:.4g} at step 24" in text
+    # MLflow keeps the first value as the param; each launch's change is a new one, with a summary
+    store.commit(c2, ctx2, 24)
+    store.prepare(warm, "trainer.max_steps=36")
+    run = store.client.get_run(ctx.mlflow_run_id)
+    p, tags = run.data.params, run.data.tags
+    assert (p["trainer.max_steps"], p["changed.2.trainer.max_steps"], p["changed.3.trainer.max_steps"]) == (
+        "12", "24", "36",
+    )  # fmt: skip
+    assert p["changed.3.optim.schedule.total_steps"] == "36"
+    assert tags["changed.3"] == "optim.schedule.total_steps: 24 -> 36; trainer.max_steps: 24 -> 36"
+    assert tags["goodput.launch"] == "3" and run.info.status == "RUNNING"
+
+
+def test_a_schedule_that_ignores_max_steps_is_said_to_go_on():
+    cfg = composed("optim/schedule=step")
+    note = job.longer_run(cfg, 12, 12, 24)
+    assert "does not depend on trainer.max_steps" in note
+
+
+# -- prepare: MLflow run states ------------------------------------------------------------------------
+def test_a_relaunch_closes_the_runs_a_killed_job_left_running_and_no_other(store):
+    """A job killed before it ended its MLflow run leaves it RUNNING; the relaunch holding the run
+    lock sets it KILLED with a tag saying so. Another run's RUNNING run (a concurrent sweep job on
+    the same store, another checkpoint dir) is not touched."""
+    _, killed = store.prepare()  # never ended: what a SIGKILL leaves
+    _, other = store.prepare("seed=1")  # another run, "alive" meanwhile
+    _, relaunched = store.prepare()
+    get = store.client.get_run
+    assert get(killed.mlflow_run_id).info.status == "KILLED"
+    tags = get(killed.mlflow_run_id).data.tags
+    assert "left RUNNING by a job that ended without closing it" in tags["error"]
+    assert tags["goodput.left_running"] == "1"
+    assert (
+        get(other.mlflow_run_id).info.status == "RUNNING"
+        and "error" not in get(other.mlflow_run_id).data.tags
+    )
+    assert get(relaunched.mlflow_run_id).info.status == "RUNNING"
+    # killed after its last commit: the relaunch says complete, and closes the run all the same
+    c, finished = store.prepare("seed=2")
+    store.commit(c, finished, 12)
+    with pytest.raises(job.AlreadyDone):
+        store.prepare("seed=2")
+    assert get(finished.mlflow_run_id).info.status == "KILLED"
+
+
+def test_a_run_whose_lock_a_live_job_holds_is_left_alone(store):
+    c, ctx = store.prepare()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = {"host": socket.gethostname(), "pid": sleeper.pid, "token": "x", "started": time.time()}
+        with open(os.path.join(c.checkpoint.dir, "LOCK.json"), "w") as f:
+            f.write(json.dumps({**lock, "heartbeat": time.time()}))
+        with pytest.raises(RunLocked):
+            store.prepare()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert store.client.get_run(ctx.mlflow_run_id).info.status == "RUNNING"
+
+
+def test_a_failure_after_the_run_is_opened_ends_it_failed(store, monkeypatch):
+    real = MlflowClient.log_batch
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), **kw):
+        if params:
+            raise RuntimeError("the store refused the params")
+        return real(self, run_id, metrics=metrics, params=params, tags=tags, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    with pytest.raises(RuntimeError, match="refused the params"):
+        store.prepare()
+    (run,) = store.runs()
+    assert (
+        run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: the store refused the params"
+    )
+
+
+def test_a_job_that_fails_later_ends_its_run_failed_unless_a_worker_did(store):
+    c, ctx = store.prepare()
+    job.close_failed(c, ctx, ValueError("a bad\n  sample"))
+    run = store.client.get_run(ctx.mlflow_run_id)
+    assert (run.info.status, run.data.tags["error"]) == ("FAILED", "ValueError: a bad sample")
+    job.close_failed(c, ctx, KeyboardInterrupt())  # ended already: the first verdict stays
+    assert store.client.get_run(ctx.mlflow_run_id).data.tags["error"] == "ValueError: a bad sample"
+    c, ctx = store.prepare("seed=3")
+    job.close_failed(c, ctx, KeyboardInterrupt())
+    assert store.client.get_run(ctx.mlflow_run_id).info.status == "KILLED"
+
+
+def test_the_demo_run_continued_to_600_steps_names_its_lr_jump():
+    """docs/config.md's numbers: the demo's warmup_cosine at step 300, ending at 300 and at 600."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.max_steps=600"])
+    note = job.longer_run(cfg, 300, 300, 600)
+    assert (
+        "the old schedule gave LR 0.005, the new one gives 0.05507 (x11: the LR jumps at the resume)" in note
+    )
+
+
+def test_a_malformed_identity_record_makes_the_commit_unloadable_and_values_print_escaped():
+    from goodput.checkpoint.layout import CommitError, parse_commit
+    from goodput.storage.checksum import CHECKSUM
+
+    rec = {"step": 4, "format": "dcp", "world_size": 1, "checksum": CHECKSUM,
+           "files": {"a": {"bytes": 1, CHECKSUM: "0" * 32}}}  # fmt: skip
+    parse_commit(
+        json.dumps({**rec, "identity": {"digest": "ab", "keys": {"seed": 1}}}).encode(), "step-000000004"
+    )
+    for bad in ("x", {"digest": 1, "keys": {}}, {"digest": "ab", "keys": ["seed"]}):
+        with pytest.raises(CommitError, match="bad identity record"):
+            parse_commit(json.dumps({**rec, "identity": bad}).encode(), "step-000000004")
+    said = identity.describe([("model.name", "\x1b[2J\nrm -rf", "resnet")])
+    assert "\x1b" not in said and "\n" not in said and '"\\u001b[2J\\nrm -rf"' in said
+
+
+def test_closing_leftovers_never_opens_a_half_made_store(tmp_path):
+    """The relaunch looks for leftovers before it opens its run: a store half made by a job killed
+    while creating it is moved aside first (tracking.ensure_store), not migrated in place."""
+    import sqlite3
+
+    from goodput.tracking import close_leftovers
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:  # what a kill during MLflow's table creation leaves
+        con.execute(
+            "CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY, name TEXT, creation_time BIGINT)"
+        )
+    assert close_leftovers(f"sqlite:///{db}", "goodput", str(tmp_path / "checkpoints" / "r")) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.broken-")]
