@@ -23,9 +23,11 @@ _who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "job"  # torchru
 # MLflow gives these loggers a handler of its own (its format) and stops them propagating.
 MLFLOW_LOGGERS = ("mlflow", "sqlalchemy.engine", "alembic", "huey")
 # Status chatter at INFO on every run that asks nothing of the user ("Skip logging GPU metrics. Set
-# logger level to DEBUG for more details." on CPU, "Started/Stopping monitoring system metrics").
+# logger level to DEBUG for more details." on CPU, "Started/Stopping monitoring system metrics"), and
+# alembic's line per schema migration when a store is created (about 60; MLflow quiets them itself
+# only when it configures logging, which setup turns off).
 # (MLflow's "Creating initial MLflow database tables..." stays: once per store, it explains a pause.)
-QUIET = ("mlflow.system_metrics",)
+QUIET = ("mlflow.system_metrics", "alembic")
 
 
 class Formatter(logging.Formatter):
@@ -58,6 +60,9 @@ def setup(rank: int | None = None, run_dir: str | None = None) -> None:
     for h in root.handlers:
         h.setFormatter(Formatter())
     root.setLevel(logging.INFO)
+    # MLflow configures its loggers when it is imported; it is imported lazily (after this, when the
+    # job opens its store): ask it not to. One imported already is put right by hand.
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     for name in MLFLOW_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers, logger.propagate = [], True
@@ -79,3 +84,19 @@ def known_warning(message: str, module: str, category: type[Warning] = UserWarni
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
         yield
+
+
+@contextlib.contextmanager
+def known_log_line(logger: str, message: str):
+    """`known_warning` for a library that warns through `logging`: records of `logger` whose message
+    starts with `message` are dropped while the block runs; the caller says why they are harmless."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(message)
+
+    target = logging.getLogger(logger)
+    target.addFilter(keep)
+    try:
+        yield
+    finally:
+        target.removeFilter(keep)

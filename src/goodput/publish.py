@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from hydra.utils import instantiate
 
+from goodput import logs
 from goodput.checkpoint.export import model_state
 from goodput.model import model_sha256
 
@@ -100,7 +101,9 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     tags = {"model_sha256": sha, "checkpoint_step": str(step), "checkpoint": ckpt.storage.url(rec["dir"]),
             "weights": source, "eval_on": eval_on}  # fmt: skip
     mlflow.set_tracking_uri(c.mlflow.tracking_uri)
-    with mlflow.start_run(run_id=run_id):
+    # MLflow warns on every pickled model; pickling is this module's documented choice (docstring).
+    pickled = logs.known_log_line("mlflow.pytorch", "Saving pytorch model by Pickle")
+    with mlflow.start_run(run_id=run_id), pickled:
         info = mlflow.pytorch.log_model(
             model,
             name="model",

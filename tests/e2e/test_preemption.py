@@ -62,7 +62,7 @@ def check_preempted_then_resumed(root: Path, sig: signal.Signals, ref: dict, *ov
     # resumable) and has no model of these weights, whatever mlflow.log_model says.
     # (the job's last line: under the elastic agent, multiprocessing's resource tracker may still print
     # its own KeyError tracebacks as the process exits)
-    last = [line for line in out.splitlines() if "[goodput]" in line][-1]
+    last = [line for line in out.splitlines() if " goodput: " in line][-1]
     assert f"stopped by {sig.name} at step {stopped} of 40" in last, out[-3000:]
     assert "To continue, run the same command again: python " in last and "done:" not in out
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")

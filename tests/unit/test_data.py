@@ -14,7 +14,7 @@ from helpers import plain_write
 from midwrite import kill_inside_the_write
 
 from goodput.data.dataset import BadSampleError, DataRootError
-from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader
+from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader, eval_loader
 from goodput.data.sampler import StepBatchSampler
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
@@ -402,3 +402,19 @@ def test_two_ranks_hash_the_whole_delivered_batch(data_root, tmp_path, reference
         want.update(ld.order.global_batch(step))
     ld.close()
     assert chains == {want.hexdigest} if skip_on < 0 else want.hexdigest not in chains
+
+
+def test_close_stops_the_persistent_workers_now(data_root, tmp_path):
+    """Left to interpreter exit, persistent workers are terminated by multiprocessing and torch's
+    SIGCHLD handler fails a finished run ("DataLoader worker is killed by signal"): the training
+    loader's close and the eval loader's stop_workers (Trainer.close calls both) end them first."""
+    ld = loader(data_root, tmp_path, workers=2)
+    images(ld, 2)
+    cfg = ld.cfg
+    val = eval_loader(cfg, Storage(data_root), 4, 0, 1, torch.device("cpu"))
+    next(iter(val))
+    workers = list(ld._it.it._workers) + list(val._iterator._workers)
+    assert len(workers) == 4 and all(w.is_alive() for w in workers)
+    ld.close()
+    val.stop_workers()
+    assert not any(w.is_alive() for w in workers) and val._iterator is None

@@ -52,6 +52,15 @@ class QuietWorkersLoader(DataLoader):
         with signals_blocked():
             return _PlainErrors(super().__iter__())
 
+    def stop_workers(self) -> None:
+        """Persistent workers stopped now, not at interpreter exit: there multiprocessing terminates
+        daemonic children, and torch's SIGCHLD handler turns a worker ended by SIGTERM into
+        "DataLoader worker is killed by signal", exit 1 after a run that finished."""
+        it, self._iterator = getattr(self, "_iterator", None), None
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's own teardown (private)
+        if shutdown is not None:
+            shutdown()
+
 
 class _PlainErrors:
     """A DataLoader iterator whose refusals (UserError: a file that does not decode, ...) arrive as
@@ -168,7 +177,7 @@ class ResumableLoader:
         self.step = 0  # next step to deliver
         self._chain = OrderHash()
         self._delivered = None  # the newest batch's indices, being gathered from every rank
-        self._it = None
+        self._dl = self._it = None
         self.io = {
             "data/cache_hits": 0,
             "data/cache_misses": 0,
@@ -190,8 +199,8 @@ class ResumableLoader:
         # A private generator: creating the iterator draws a base seed, and drawing it from the global
         # RNG would shift every later draw of a resumed run (dropout, for one) by one.
         g = torch.Generator().manual_seed(self.seed)
-        dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
-        self._it = iter(dl)
+        self._dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
+        self._it = iter(self._dl)
         self._prefetched_until = self.step
         self._prefetch()
 
@@ -257,8 +266,13 @@ class ResumableLoader:
     def stats(self) -> dict[str, float]:
         return {**self.io, **self.source.stats()}
 
+    def _drop_iterator(self) -> None:
+        if self._dl is not None:
+            self._dl.stop_workers()
+        self._dl = self._it = None
+
     def close(self) -> None:
-        self._it = None  # drops persistent workers
+        self._drop_iterator()
         self.source.close()
 
     # -- checkpoint --------------------------------------------------------------------------
@@ -291,7 +305,7 @@ class ResumableLoader:
             )
         self.step = sd["step"]
         self._chain, self._delivered = OrderHash(sd["sample_order_sha256"]), None
-        self._it = None
+        self._drop_iterator()
 
 
 def _gather_indices(mine: torch.Tensor, world: int):

@@ -232,3 +232,4 @@ class Trainer:
         self.watchdog.stop()
         self.ckpt.close()
         self.loader.close()
+        self.val_loader.stop_workers()

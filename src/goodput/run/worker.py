@@ -128,11 +128,10 @@ def write_summary(t: Trainer, result: dict) -> dict:
     ev, classes = result.pop("evaluation", None), t.loader.files.classes
     books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
     goodput = books["goodput"]
-    model_uri = None
+    model_uri, bound = None, c.mlflow.artifact_timeout_s  # each upload: an artifact store may hang
     if result["finished"]:  # a stopped run's weights are not its result: logged when it finishes
         # The logged model's input example (its signature): two samples of the val view
         example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
-        bound = c.mlflow.artifact_timeout_s  # each upload to the artifact store: a store that hangs
         model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
     summary = {
         **result,
