@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step, step_dir
+from goodput.checkpoint.layout import COMMIT, CommitError, newest_first, parse_commit, parse_step, step_dir
 from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
 from goodput.untrusted import regular
 
@@ -25,7 +25,8 @@ class Commits:
         self.storage, self.kept = storage, kept
 
     def committed(self, listing: dict[str, int] | None = None) -> list[dict]:
-        """Committed checkpoints, newest first (by the parsed step, not the name). Cheap checks only:
+        """Committed checkpoints, newest first (by the parsed step, not the name; of one step the
+        regular save before its rescue, layout.newest_first). Cheap checks only:
         COMMIT.json parses and every listed file exists with its size. Loading is the real test (see
         CheckpointManager.restore). An entry that is not a step dir in the one form `step_dir` writes
         (another spelling, a link, a file) is ignored with a warning naming it: it never decides what
@@ -43,7 +44,7 @@ class Commits:
                     "a file" if step is not None else f"not named {step_dir(0)[:5]}<9 digits>",
                 )  # fmt: skip
         out = []
-        for _, name in sorted(steps, reverse=True):
+        for name in newest_first(name for _, name in steps):
             rec = self.read_commit(name)
             if rec is not None:
                 out.append(rec)

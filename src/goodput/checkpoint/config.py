@@ -10,6 +10,11 @@ from omegaconf import MISSING
 from goodput.run.monitor import check_metric
 from goodput.storage.remote import check_url
 
+# torch.distributed.elastic's agent stops the surviving workers of a failed group with SIGTERM and
+# SIGKILLs them this long after (LocalElasticAgent._stop_workers -> _shutdown(timeout=30)).
+AGENT_STOP_GRACE_S = 30.0
+RESCUE_MARGIN_S = 5.0  # of that grace, what the rescue leaves for its record, the MLflow run's end, the exit
+
 
 @dataclass
 class CheckpointConfig:
@@ -61,6 +66,18 @@ class CheckpointConfig:
     next save is due stalls the loop). Under a sync backend the wait is in the loop, where
     trainer.hang_timeout_s, if shorter, ends a rank first; dcp_async waits on a background thread."""
 
+    rescue: bool = True
+    """When a rank fails (a peer dies, a collective times out, its own step raises, the watchdog ends
+    it), the ranks that survive write the last finished step without any collective, so a failure
+    with a surviving replica loses at most the step in flight (goodput.checkpoint.rescue; the
+    cases: docs/checkpointing.md "Rescue checkpoints"). false = a failure costs the work since the
+    last commit. Per step it costs a copy of the model's buffers (BatchNorm statistics)."""
+
+    rescue_timeout_s: float = 20.0
+    """A rescue not committed within this many seconds stays uncommitted (never loaded) and the
+    relaunch uses the newest regular commit. It must end before the elastic agent's SIGKILL, which
+    follows its SIGTERM to the survivors by AGENT_STOP_GRACE_S (30 s, torch's own)."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.backend, dict) and "_target_" in self.backend):
@@ -79,6 +96,12 @@ class CheckpointConfig:
             e.append(f"checkpoint.keep_best_mode must be max|min|null, got {self.keep_best_mode!r}")
         if self.on_error not in ("raise", "continue"):
             e.append(f"checkpoint.on_error must be raise|continue, got {self.on_error!r}")
+        if not 0 < self.rescue_timeout_s <= AGENT_STOP_GRACE_S - RESCUE_MARGIN_S:
+            e.append(
+                f"checkpoint.rescue_timeout_s must be in (0, {AGENT_STOP_GRACE_S - RESCUE_MARGIN_S:g}] "
+                f"(the elastic agent kills the survivors {AGENT_STOP_GRACE_S:g} s after asking them to stop; "
+                f"{RESCUE_MARGIN_S:g} s are left for the exit), got {self.rescue_timeout_s:g}"
+            )
         if self.commit_timeout_s <= 0:
             e.append(f"checkpoint.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         elif self.every_n_minutes and self.commit_timeout_s >= 60 * self.every_n_minutes:

@@ -6,6 +6,11 @@ Under `checkpoint.dir` (a path or fsspec URL):
         .metadata               DCP's own marker, uploaded after every shard
         ranks/<r>.json          rank r's manifest: its files, sizes and checksums, written after its upload
         COMMIT.json             written last by rank 0 once every manifest is there
+    step-000000073.rescue/      a rescue (goodput.checkpoint.rescue): the state of step 73 written by the
+        __<s>_<i>.distcp ...    ranks that survived a failure, without a collective; each shard s by
+        rescue-<s>.metadata     the one rank that claimed it (claims/<s>.json, an exclusive create),
+        ranks/rescue-<s>.json   its manifest; .metadata (merged) and COMMIT.json (kind: rescue),
+        .metadata, COMMIT.json  written by the rank that found every shard there
     step-000000080.superseded-<time>/   an abandoned lineage, moved aside (never loaded, never deleted)
     attempts/NNNN.json          one record per start of the run (restarts, lost steps)
     LOCK.json                   the job holding the run
@@ -38,21 +43,37 @@ class CommitError(RecordError):
     """A commit record that is missing, malformed or inconsistent: the checkpoint is not loadable."""
 
 
-def step_dir(step: int) -> str:
-    return f"step-{step:09d}"
+RESCUE = ".rescue"  # a rescue's step dir: step_dir(step) + RESCUE
+KINDS = ("regular", "rescue")  # what a commit record's `kind` may be (absent: regular)
 
 
-_STEP = re.compile(r"step-([0-9]{9,})")  # ASCII digits only: str.isdigit() accepts digits int() refuses
+def step_dir(step: int, rescue: bool = False) -> str:
+    return f"step-{step:09d}{RESCUE if rescue else ''}"
+
+
+# ASCII digits only: str.isdigit() accepts digits int() refuses
+_STEP = re.compile(r"step-([0-9]{9,})(" + re.escape(RESCUE) + ")?")
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a step dir's name, or None. One spelling per step, the one `step_dir` writes
-    (9 digits, more only past 999999999): `step-0000000120` or `step-١٢٠` is not step 120, so a
-    copy of an old step under another spelling can never pass for a newer one."""
+    """The step of a step dir's name (a regular save's or a rescue's), or None. One spelling per
+    step, the one `step_dir` writes (9 digits, more only past 999999999): `step-0000000120` or
+    `step-١٢٠` is not step 120, so a copy of an old step under another spelling can never pass for
+    a newer one."""
     m = _STEP.fullmatch(name)
-    if m is None or step_dir(int(m.group(1))) != name:
+    if m is None or step_dir(int(m.group(1)), m.group(2) is not None) != name:
         return None
     return int(m.group(1))
+
+
+def is_rescue(name: str) -> bool:
+    return parse_step(name) is not None and name.endswith(RESCUE)
+
+
+def newest_first(names) -> list[str]:
+    """Step dir names, newest first: by step, and of one step the regular save before its rescue
+    (both hold the same state; the regular one was written by every rank)."""
+    return sorted(names, key=lambda n: (parse_step(n), not is_rescue(n)), reverse=True)
 
 
 def local_commits(ckpt_dir) -> list[tuple[int, str]]:
@@ -130,6 +151,16 @@ def parse_commit(data: bytes, rel: str) -> dict:
         raise CommitError(f"bad metric record {metric!r}")
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
+    kind = rec.get("kind", "regular")
+    if kind not in KINDS or (kind == "rescue") != is_rescue(rel.rsplit("/", 1)[-1]):
+        raise CommitError(f"kind {kind!r} does not match the directory {rel}")
+    if kind == "rescue":  # who wrote it: printed by inspect, counted in the summary
+        by = rec.get("rescued_by")
+        if not (isinstance(by, list) and by and all(_int(r) and 0 <= r < world for r in by)):
+            raise CommitError(f"bad rescued_by {by!r} (the ranks that wrote it, each < world_size {world})")
+        over = rec.get("regular_step", 0)
+        if not (_int(over) and 0 <= over < step):
+            raise CommitError(f"bad regular_step {over!r} (the newest regular commit before step {step})")
     ident = rec.get("identity")  # goodput.identity.record: compared with a relaunch's, printed in its refusal
     if ident is not None and not (
         isinstance(ident, dict)
@@ -145,6 +176,7 @@ def parse_commit(data: bytes, rel: str) -> dict:
 
 
 def commit_record(step: int, backend, world: int, files: dict[str, dict], info: dict) -> bytes:
+    """`backend`: what wrote the files (its `name` and `format`)."""
     record = {
         **info,
         "step": step,

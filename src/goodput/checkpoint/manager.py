@@ -14,6 +14,7 @@ disk) and compared with the commit record. A mismatch anywhere is a collective f
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ from goodput.checkpoint.layout import (
     parse_step,
     step_dir,
 )
+from goodput.checkpoint.rescue import Rescue
 from goodput.checkpoint.state import AppState
 from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import signals_blocked
@@ -168,12 +170,9 @@ class CheckpointManager:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             return self._failed(step, e, time.perf_counter() - t0)
-        info = {**self.commit_info, **(extra or {}), "time": time.time(), "torch": torch.__version__}
-        info["parts"] = sorted(app.parts)  # what a restore may ask for (AppState's optional parts)
-        if self.best.by is not None:
-            info["best"] = self.best.describe()
-            if self.best.last is not None and self.best.last[0] == step:
-                info["metric"] = {self.best.by: self.best.last[1]}
+        info = {**self.fields(app), **(extra or {})}
+        if self.best.by is not None and self.best.last is not None and self.best.last[0] == step:
+            info["metric"] = {self.best.by: self.best.last[1]}
         meta = {"t0": t0, "step": step}
         if self.backend.is_async:
             th = threading.Thread(
@@ -194,6 +193,22 @@ class CheckpointManager:
                 return self._failed(step, e, time.perf_counter() - t0)
             blocking = time.perf_counter() - t0
         return blocking
+
+    def fields(self, app: AppState) -> dict:
+        """What every commit record of this run says besides its files: the run's fence (config
+        hash, run name, identity), the model record, the parts a restore may ask for, the best."""
+        info = {**self.commit_info, "time": time.time(), "torch": torch.__version__}
+        info["parts"] = sorted(app.parts)  # what a restore may ask for (AppState's optional parts)
+        if self.best.by is not None:
+            info["best"] = self.best.describe()
+        return info
+
+    def rescuer(self, strategy, app: AppState, rng, model, attempt) -> Rescue:
+        """This rank's rescue (goodput.checkpoint.rescue): the same store, staging dir and commit
+        fields as a save; `attempt()` numbers its record."""
+        info = functools.partial(self.fields, app)  # read when the rescue commits
+        return Rescue(self.cfg.rescue, self.cfg.rescue_timeout_s, self.storage, self.cfg.staging_dir,
+                      self.rank, self.world, strategy, app, rng, model, info, attempt)  # fmt: skip
 
     def drain_metrics(self) -> list[dict]:
         out, self.metrics = self.metrics, []
@@ -361,6 +376,19 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         committed = self.committed()  # newest first; only committed ones count
+        # A rescue is superseded by a regular commit of its step or a later one: same state or newer,
+        # written by every rank. It goes at once, outside keep_last.
+        regular = [r["step"] for r in committed if r.get("kind", "regular") == "regular"]
+        for rec in [
+            r for r in committed if r.get("kind") == "rescue" and regular and r["step"] <= regular[0]
+        ]:
+            log.info(
+                "retention: removing %s (a rescue superseded by step %d)",
+                self.storage.url(rec["dir"]),
+                regular[0],
+            )
+            self.storage.rm(rec["dir"], recursive=True)
+            committed.remove(rec)
         # The best is kept while it is the best: the one this process knows, and the one the newest
         # commit names (this process's may be newer than any commit yet, in an async save's window).
         best = {self.best.step, (committed[0].get("best") or {}).get("step") if committed else None}

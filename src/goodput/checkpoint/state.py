@@ -61,27 +61,56 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def _streams(torch_state: torch.Tensor, np_state: tuple, py_state: tuple) -> dict:
+    """The saved form of the three generators' states (JSON-able)."""
+    return {
+        "torch": _b64(torch_state),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of `rank`'s random streams for the step after `step`: a pure function, so any rank's
+    streams at any step boundary are known without its state (a rescue written by one survivor
+    resumes every rank; a rank a checkpoint did not have starts exactly as the others would)."""
+    from goodput.data.sampler import sample_seed
+
+    return sample_seed(seed, -1 - rank, step) & 0xFFFFFFFF
+
+
 class RNGState:
-    """torch / CUDA / numpy / python RNG states of this rank. Missing on a new rank: derived."""
+    """torch / CUDA / numpy / python RNG states of this rank. `at_step` reseeds all of them from
+    (seed, rank, step) before every step, so the state at a step boundary is a pure function of it;
+    the saved states say where the streams stood (and a resume sets them, then the next step reseeds)."""
 
     def __init__(self, seed: int, rank: int):
         self.seed, self.rank = seed, rank
 
+    def at_step(self, step: int) -> None:
+        """Before the step after `step` draws anything (dropout, a random layer): seed every stream."""
+        s = step_seed(self.seed, self.rank, step)
+        torch.manual_seed(s)  # CUDA's generators too
+        np.random.seed(s)
+        random.seed(s)
+
     def state_dict(self) -> dict:
-        np_state = np.random.get_state()
-        sd = {
-            "torch": _b64(torch.get_rng_state()),
-            "numpy": [
-                np_state[0],
-                np_state[1].tolist(),
-                int(np_state[2]),
-                int(np_state[3]),
-                float(np_state[4]),
-            ],
-            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        }
+        sd = _streams(torch.get_rng_state(), np.random.get_state(), random.getstate())
         if torch.cuda.is_available():
             sd["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        return sd
+
+    def derived(self, rank: int, step: int) -> dict:
+        """`rank`'s state dict at the boundary after `step`, as `at_step` leaves it: what a rescue
+        writes for the ranks it speaks for. Computed without touching this process's streams."""
+        s = step_seed(self.seed, rank, step)
+        sd = _streams(
+            torch.Generator().manual_seed(s).get_state(), np.random.RandomState(s).get_state(),
+            random.Random(s).getstate(),
+        )  # fmt: skip
+        if torch.cuda.is_available():  # what manual_seed(s) gives each device's generator
+            cuda = torch.Generator(device="cuda").manual_seed(s).get_state()
+            sd["cuda"] = [_b64(cuda)] * torch.cuda.device_count()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -96,16 +125,9 @@ class RNGState:
                 torch.cuda.set_rng_state_all(states)
 
     def derive(self, step: int) -> None:
-        """A rank the checkpoint did not have: seed deterministically from (seed, rank, step)."""
-        from goodput.data.sampler import sample_seed
-
-        s = sample_seed(self.seed, -1 - self.rank, step) & 0xFFFFFFFF
-        torch.manual_seed(s)
-        np.random.seed(s)
-        random.seed(s)
-        log.warning(
-            "rank %d has no saved RNG state (checkpoint had fewer ranks): derived from seed %d", self.rank, s
-        )
+        """A rank the checkpoint did not have: its streams as at_step leaves them at `step`."""
+        self.at_step(step)
+        log.info("rank %d: no saved RNG state (the checkpoint had fewer ranks), derived", self.rank)
 
 
 PARAM_GROUPS = "param_groups"
@@ -167,7 +189,15 @@ class AppState:
     def _module_sds(self, options: StateDictOptions) -> dict:
         return {k: get_model_state_dict(m, options=options) for k, m in self.modules.items()}
 
-    def state_dict(self, options: StateDictOptions) -> dict:
+    def state_dict(
+        self, options: StateDictOptions, parts: dict | None = None, rank_parts: dict[int, dict] | None = None
+    ) -> dict:
+        """`parts`: global parts' states to write instead of asking them (a rescue's boundary state);
+        `rank_parts`: rank -> its per-rank parts, instead of this rank's own (a rescue speaks for
+        every rank at its shard position)."""
+        parts = parts or {}
+        if rank_parts is None:
+            rank_parts = {self.rank: {k: p.state_dict() for k, p in self.rank_parts.items()}}
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
         # (full_state_dict with cpu_offload gives ranks other than 0 empty dicts: nothing to save there)
         sd = {
@@ -176,9 +206,9 @@ class AppState:
             **self._module_sds(options),
             "extra": {
                 PARAM_GROUPS: encode(osd.get(PARAM_GROUPS, [])),
-                **{k: encode(p.state_dict()) for k, p in self.parts.items()},
+                **{k: encode(parts[k] if k in parts else p.state_dict()) for k, p in self.parts.items()},
             },
-            f"rank{self.rank}": {k: encode(p.state_dict()) for k, p in self.rank_parts.items()},
+            **{f"rank{r}": {k: encode(v) for k, v in states.items()} for r, states in rank_parts.items()},
         }
         _tensors_only(sd, "")
         return sd

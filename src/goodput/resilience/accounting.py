@@ -26,8 +26,9 @@ from goodput.untrusted import RecordError, field, parse_record, set_aside
 log = logging.getLogger(__name__)
 _ATTEMPT = re.compile(r"([0-9]{4,})\.json")
 
-CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile", "hung")
+CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile", "hung", "rescue")
 # hung: from a rank's last progress until the hang watchdog ended it (goodput.resilience.watchdog)
+# rescue: a failed attempt writing its last finished step (goodput.checkpoint.rescue)
 
 
 def sync_point(device) -> Callable[[], None]:
@@ -122,7 +123,8 @@ def plot(report: dict, path: str) -> None:
 
     parts = [(c, report[f"{c}_seconds"]) for c in CATEGORIES] + [("lost", report["lost_seconds"])]
     colors = {"productive": "#2ca02c", "fetch": "#ff7f0e", "checkpoint": "#1f77b4", "startup": "#9467bd",
-              "eval": "#8c564b", "compile": "#e377c2", "hung": "#7f7f7f", "lost": "#d62728"}  # fmt: skip
+              "eval": "#8c564b", "compile": "#e377c2", "hung": "#7f7f7f", "rescue": "#17becf",
+              "lost": "#d62728"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 1.8))
     left = 0.0
     for name, sec in parts:
@@ -248,3 +250,64 @@ def _numbers(values: dict, where: str) -> None:
 def _no_attempt(part: dict, where: str) -> None:
     if "attempt" in part:  # the summary puts the record's own number first: this would overwrite it
         raise RecordError(f"{where}: has an 'attempt' of its own")
+
+
+_RESCUE = re.compile(r"attempt([0-9]{4,})-rank([0-9]+)\.json")
+
+
+class Rescues:
+    """The rescue records beside the checkpoints (`rescues/attempt<NNNN>-rank<r>.json`, one per rank
+    that tried: goodput.checkpoint.rescue.Rescue), each checked as untrusted input; a malformed one
+    is moved aside with a warning naming it."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    def records(self) -> list[dict]:
+        from goodput.checkpoint.rescue import RECORDS, check_record
+
+        out = []
+        for k, size in sorted(self.storage.ls(RECORDS).items()):
+            m = _RESCUE.fullmatch(k)
+            if m is None or size < 0:
+                continue
+            try:
+                rec = check_record(self.storage.read_bytes(f"{RECORDS}/{k}"), f"{RECORDS}/{k}")
+                if (rec["attempt"], rec["rank"]) != (int(m.group(1)), int(m.group(2))):
+                    raise RecordError(f"{RECORDS}/{k}: attempt and rank differ from the file name")
+                out.append(rec)
+            except FileNotFoundError:
+                pass
+            except RecordError as e:
+                set_aside(self.storage, f"{RECORDS}/{k}", e)
+        return out
+
+
+def rescue_seconds(records: list[dict], since_attempt: int) -> float:
+    """Seconds the failed attempts from `since_attempt` on spent rescuing (their ranks rescue at
+    once: the longest per attempt), which the restored ledger does not hold."""
+    per: dict[int, float] = {}
+    for r in records:
+        if r["attempt"] >= since_attempt:
+            per[r["attempt"]] = max(per.get(r["attempt"], 0.0), float(r["seconds"]))
+    return sum(per.values())
+
+
+def summarize_rescues(attempts: list[dict], records: list[dict]) -> dict:
+    """summary.json's `rescues`: `count` restarts that resumed from a rescue, `steps_saved` (each
+    one's step minus the regular commit the restart would have used instead), `failures` failed
+    attempts whose rescue was tried and did not commit, `outcomes` per failed attempt."""
+    resumed = [a for a in attempts if a.get("resumed_kind") == "rescue"]
+    outcomes: dict[int, list[str]] = {}
+    for r in records:
+        outcomes.setdefault(r["attempt"], []).append(r["outcome"])
+    rescued = {a["attempt"] - 1 for a in resumed}
+    tried = ("timed_out", "failed", "written", "committed")
+    failures = [n for n, o in outcomes.items() if n not in rescued and any(x in tried for x in o)]
+    return {
+        "count": len(resumed),
+        "steps_saved": sum(max(0, a["resumed_from"] - a.get("rescued_over", 0)) for a in resumed),
+        "failures": len(failures),
+        "seconds": round(sum(float(r["seconds"]) for r in records), 4),
+        "outcomes": {str(n): sorted(set(o)) for n, o in sorted(outcomes.items())},
+    }

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from goodput.resilience.accounting import Attempts, Ledger
+from goodput.resilience.accounting import Attempts, Ledger, Rescues, rescue_seconds, summarize_rescues
 from goodput.resilience.recovery import Recovery, agent_phases, failure_time, restart_round, summarize
 from goodput.resilience.watchdog import hung_seconds
 from goodput.storage.remote import Storage
@@ -41,7 +41,7 @@ class Goodput:
         recovery: Recovery | None = None,
         compile_paid: Callable[[], dict | None] = lambda: None,
     ):
-        self.ledger, self.attempts = ledger, Attempts(store)
+        self.ledger, self.attempts, self.rescues = ledger, Attempts(store), Rescues(store)
         self.rank, self.world, self.run_dir = rank, world, run_dir
         self.tracker, self.faults, self.compile_paid = tracker, faults, compile_paid
         self.recovery = recovery or Recovery()
@@ -59,21 +59,31 @@ class Goodput:
         resumed = restored["step"] if restored else None
         if restored:
             self.ledger.resumed_from.append(restored["step"])
-        info = [0, t_start, 0.0, 0.0]  # (restarts so far, the run's first start, uncounted start-ups, hangs)
+        # (restarts so far, the run's first start, uncounted start-ups, hangs, rescues)
+        info = [0, t_start, 0.0, 0.0, 0.0]
+        kind = restored.get("kind", "regular") if restored else None
         if self.rank == 0:
             previous = self.attempts.previous()
             uncounted = sum(a.get("startup", 0.0) for a in previous if a["attempt"] > self.ledger.attempt)
-            # the restored ledger lacks the hangs detected after its save
+            # the restored ledger lacks the hangs detected after its save, and the rescues since
             hung = hung_seconds(self.faults.fired(), restored.get("time", 0.0) if restored else 0.0)
+            rescued = rescue_seconds(self.rescues.records(), self.ledger.attempt)
             restarts = self.attempts.begin(resumed, start=t_start)
-            info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung]
+            if kind is not None:  # what the restart resumed from: a rescue, over which regular commit
+                self.attempts.record.update(resumed_kind=kind, rescued_over=restored.get("regular_step") or 0)
+                self.attempts.beat(resumed)
+            info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung, rescued]
         if self.world > 1:
             dist.broadcast_object_list(info, src=0)
-        restarts, first_start, uncounted, hung = info
+        restarts, first_start, uncounted, hung, rescued = info
         self.restarts = restarts
         self.ledger.add("hung", hung)
+        self.ledger.add("rescue", rescued)
         if restarts:
-            self.tracker.set_tags({"restarts": restarts, f"restart.{restarts}.resumed_from": resumed})
+            tags = {"restarts": restarts, f"restart.{restarts}.resumed_from": resumed}
+            if kind == "rescue":  # which failure cost one step, and who saved it
+                tags[f"restart.{restarts}.rescued_by"] = ",".join(map(str, restored["rescued_by"]))
+            self.tracker.set_tags(tags)
         if restored is None:  # nothing restored: wall time still counts from the run's first attempt
             self.ledger.run_start = first_start
         self.ledger.attempt = restarts
@@ -108,6 +118,11 @@ class Goodput:
                 rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
             if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
                 rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
+            if prev is not None:  # the steps the failed attempt finished that this one redoes
+                tried = [r for r in self.rescues.records() if r["attempt"] == n - 1]
+                reached = max([prev["step"]] + [r["reached"] for r in tried])
+                rec["lost_steps"] = max(0, reached - (self.attempts.record["resumed_from"] or 0))
+                rec["resumed_kind"] = self.attempts.record.get("resumed_kind")
             self.attempts.record["recovery"] = rec
             self.attempts.beat(step)
             metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
@@ -129,6 +144,7 @@ class Goodput:
         return {
             "restarts": self.restarts,
             "resumed_from_steps": self.ledger.resumed_from,
+            "rescues": summarize_rescues(recs, self.rescues.records()),
             "goodput": goodput,
             "recovery": {**summarize(per), "per_restart": per},
             # trainer.compile: what each start paid until its first step (cold or warm cache); [] if off

@@ -37,11 +37,13 @@ class StopSignal:
     elastic agent's process, LeaveStopToWorkers). The rule: signals.Preemption.
     """
 
-    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S):
+    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S, last_words=None):
+        """`last_words(reason)`: called before the grace runs out into an exit (a rescue)."""
         self.received = None
         self.grace_s = grace_s
         self._notice = Preemption(dup_s)
-        self._grace = GraceTimer(grace_s, dup_s)  # runs even while the main thread is stuck in C++
+        # runs even while the main thread is stuck in C++
+        self._grace = GraceTimer(grace_s, dup_s, last_words=last_words)
         self._previous = {}
         self._env = os.environ.get(HELPER_ENV)
         os.environ[HELPER_ENV] = "1"

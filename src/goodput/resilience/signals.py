@@ -103,13 +103,14 @@ class GraceTimer:
     never starts. The C-level handler does write the signal's number to the wakeup fd
     (`signal.set_wakeup_fd`) at once, whatever the main thread does; a thread of ours reads it and
     runs the timer: after `grace_s`, the process exits (128 + signal) unless `cancel()` came first
-    (every rank reached the step boundary). A second signal exits at once (Preemption's ESCALATE).
+    (every rank reached the step boundary); `last_words(reason)` first (a rescue of the last
+    finished step: goodput.checkpoint.rescue). A second signal exits at once (Preemption's ESCALATE).
     Main thread only; elsewhere it does nothing."""
 
-    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S):
+    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S, last_words=None):
         import socket
 
-        self.grace_s = grace_s
+        self.grace_s, self.last_words = grace_s, last_words
         self._lock = threading.Lock()
         self._notice = Preemption(dup_s)
         self._cancelled = False
@@ -148,9 +149,17 @@ class GraceTimer:
             if action is Action.ESCALATE:
                 os._exit(128 + signum)
             if not self._cancelled:
-                self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+                self._timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
                 self._timer.daemon = True
                 self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        if self.last_words is not None:  # bounded by its own timeout
+            try:
+                self.last_words(f"no step boundary {self.grace_s:g}s after {signal.Signals(signum).name}")
+            except Exception:
+                pass
+        os._exit(128 + signum)
 
     def cancel(self) -> None:
         with self._lock:

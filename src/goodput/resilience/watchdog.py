@@ -54,6 +54,7 @@ class Watchdog:
         self._last_wall = time.time()
         self._stop = threading.Event()
         self._thread = None
+        self.last_words = None  # called with the reason before the exit (a rescue: goodput.checkpoint.rescue)
 
     def start(self) -> Watchdog:
         if self.timeout_s and self._thread is None:
@@ -110,6 +111,11 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         self._record(idle)
+        if self.last_words is not None:  # bounded by its own timeout; the main thread is stuck
+            try:
+                self.last_words(self._message(idle))
+            except Exception as e:
+                log.error("hang watchdog: %r before the exit", e)
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             try:  # the error file the agent reports (what torch's @record leaves)
                 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

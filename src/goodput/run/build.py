@@ -144,7 +144,8 @@ class Trainer:
         self.app.register("data", self.loader)
         self.app.register("scheduler", self.scheduler)
         self.app.register("ledger", ledger)
-        self.app.register("rng", RNGState(seed, d.rank), per_rank=True)
+        self.rng = RNGState(seed, d.rank)  # reseeded before every step (the loop): see at_step
+        self.app.register("rng", self.rng, per_rank=True)
 
         self.ckpt = checkpoint_manager(c, ctx, d)
         self.ckpt_store = self.ckpt.storage
@@ -184,9 +185,15 @@ class Trainer:
             phase_timeout_s=tr.phase_timeout_s, compile_timeout_s=compiling,
         )  # fmt: skip
         self.ckpt.phase = self.watchdog.phase  # a blocking save: a phase with its own bound
+        # On a failure, the last finished step written without a collective (checkpoint.rescue); the
+        # loop marks the step boundaries, the step the update's start, the worker calls it.
+        attempt = lambda: self.goodput.restarts  # noqa: E731  # numbered once the attempt begins
+        self.rescue = self.ckpt.rescuer(strategy, self.app, self.rng, self.model, attempt)
+        self.watchdog.last_words = self.rescue.write  # a hung rank's state may be whole: rescue first
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
+            updating=self.rescue.updating,
         )  # fmt: skip
         self.app.register(
             "step", self.step,

@@ -34,7 +34,8 @@ def train(t) -> dict:
     max_steps = tr.max_steps
     log_every = max(1, tr.log_every_n_steps)
     eval_every = tr.eval_every_n_steps
-    stop = StopSignal(tr.signal_grace_seconds)
+    # A rank stuck past the grace (a peer died inside a collective) rescues the last finished step first
+    stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.write)
     progress = Progress(tr.progress, tr.progress_every_s, t.loader.step, max_steps, d.rank)
 
     step = t.loader.step
@@ -43,8 +44,10 @@ def train(t) -> dict:
     top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
     t.model.train()
+    t.rescue.boundary(step)  # the restored (or initial) state: whole
     while step < max_steps:
         early = False
+        t.rng.at_step(step)  # every random stream a function of (seed, rank, step): see RNGState
         t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary
         t0 = time.perf_counter()
         batch = next(t.loader)  # the accelerator idles for exactly this long
@@ -65,6 +68,9 @@ def train(t) -> dict:
         window["step"] += t2 - t0 - compiling  # perf/images_per_second: the step, not its compile
         window["images"] += len(y)
         window["n"] += 1
+        evaluating = bool(eval_every and step % eval_every == 0) or step == max_steps
+        if not evaluating:  # the state is whole now; with an evaluation, once its results are in
+            t.rescue.boundary(step)
         t.faults.at_step(step)
         t.faults.site("step")
 
@@ -83,7 +89,7 @@ def train(t) -> dict:
         t.step_done(step)  # how far this attempt got (lost work after a crash); async, never blocks
         progress.advance()
 
-        if (eval_every and step % eval_every == 0) or step == max_steps:
+        if evaluating:
             te = time.perf_counter()
             # a phase with its own bound; the process's first evaluation compiles (inference graphs)
             with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
@@ -98,6 +104,7 @@ def train(t) -> dict:
             progress.evaluated(step, metrics)
             t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
             early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
+            t.rescue.boundary(step)
 
         stopping = stop.agreed(d.world)
         info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete

@@ -77,6 +77,7 @@ class Step:
         ema: AveragedModel | None = None,
         before_update=lambda: None,
         between_micro_steps=lambda step: None,
+        updating=lambda: None,
     ):
         self.model, self.forward = model, model
         self.optimizer, self.scheduler, self.strategy = optimizer, scheduler, strategy
@@ -89,6 +90,7 @@ class Step:
         # forward mutates buffers (BatchNorm stats): an async save's copy must be done before it
         self.has_buffers = any(True for _ in model.buffers())
         self.before_update, self.between_micro_steps = before_update, between_micro_steps
+        self.updating = updating  # the parameters are about to change: no rescue until the next boundary
         self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
         self.last_grad_norm: torch.Tensor | None = None
         self._stepped = False  # whether the optimizer ran in this step (the scaler may skip it)
@@ -123,6 +125,7 @@ class Step:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.last_grad_norm = clip_grad_norm(self.model.parameters(), self.opts.clip_grad_norm)
         self.before_update()  # an async save's copy must finish before parameters change
+        self.updating()
         self._stepped = False
         self.scaler.step(self.optimizer)  # fp16: skipped when a gradient is inf/nan
         self.scaler.update()

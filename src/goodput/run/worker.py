@@ -75,6 +75,9 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         return summary
     except BaseException as e:
         status, error = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", e
+        if t is not None and not isinstance(e, KeyboardInterrupt | SystemExit):
+            t.watchdog.stop()  # the rescue bounds itself (checkpoint.rescue_timeout_s)
+            t.rescue.write(f"{type(e).__name__}: {e}")  # a peer died, or this rank's step raised
         if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
             fail_fast(e, t.tracker.close if t is not None else end_run, ctx.run_dir, d.rank)
         raise

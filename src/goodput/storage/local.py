@@ -69,3 +69,27 @@ def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
     """`atomic_file` for content already in memory."""
     with atomic_file(path, "wb" if isinstance(data, bytes | bytearray | memoryview) else "w", durable) as f:
         f.write(data)
+
+
+def exclusive_write(path: str, data: bytes) -> bool:
+    """Create `path` with `data` only if nothing is there: True if this call created it, False if it
+    existed. Whole or not at all, like atomic_write: the bytes go to a temp file of this writer's
+    own, flushed to disk, and a hard link publishes them under `path` (link(2) fails when the name
+    exists: the exclusive step)."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f"{TEMP_PREFIX}{secrets.token_hex(6)}-{os.path.basename(path)[:100]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_dir(d)
+    return True

@@ -23,7 +23,7 @@ from fsspec.dircache import DirCache
 
 from goodput.storage.checksum import Transfer, _copy_hashing
 from goodput.storage.emulation import Emulation
-from goodput.storage.local import atomic_file, atomic_write
+from goodput.storage.local import atomic_file, atomic_write, exclusive_write
 from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
 
@@ -217,7 +217,7 @@ class Storage:
                     self.fault.storage_op(what.split(" ", 1)[0])
                 self.emulation.op()  # latency; an injected error is retried like a real one
                 return fn(*args)
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):
                 raise
             except OSError as e:
                 if attempt == self.cfg.retries - 1:
@@ -305,6 +305,31 @@ class Storage:
                 self.fs.pipe_file(self._path(rel), data)
 
         self._retry(f"write {self.url(rel)}", _write)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write `data` at `rel` only if nothing is there (one winner among writers that never talk:
+        a rescue's claims and commit). True: this call wrote it (or an earlier try of this call
+        did: the same bytes are there). Local roots: link(2) (exclusive_write); s3: a conditional
+        PUT (If-None-Match: *); other fsspec stores: check then write, best effort."""
+
+        def _create():
+            self.emulation.transfer(len(data))
+            if self.local:
+                if not exclusive_write(self._path(rel), data):
+                    raise FileExistsError(self.url(rel))
+            elif _is_s3fs(self.fs):
+                self.fs.pipe_file(self._path(rel), data, mode="create", timeout=self.cfg.request_timeout_s)
+            else:
+                self.fs.pipe_file(self._path(rel), data, mode="create")
+
+        try:
+            self._retry(f"create {self.url(rel)}", _create)
+            return True
+        except FileExistsError:  # a retry after a reply that was lost finds its own bytes
+            try:
+                return self.read_bytes(rel) == data
+            except FileNotFoundError:
+                return False
 
     def put(self, local_path: str, rel: str) -> Transfer:
         """Upload a local file, hashing it as it streams out (one read, no second pass).

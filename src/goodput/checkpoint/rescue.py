@@ -1,0 +1,400 @@
+"""Rescue checkpoints: when a peer fails, the ranks that survive write the last finished step.
+
+In a data-parallel job every surviving replica holds the whole training state of the last finished
+optimizer step. A regular save needs every rank (its collectives plan and commit it), so a failure
+used to cost the work since the last commit, about half the interval. A rescue needs none: each
+surviving rank writes its part with DCP's single-process path (`no_dist=True`), and the store
+decides who writes what:
+
+- The state is cut into `n_shards` parts, the ranks of one replica group (goodput.parallel:
+  `replica_group`): one part under single and ddp (every rank holds all of it), one per rank under
+  fsdp, `parallel.shard_size` under hsdp. Shard s is written by the first rank holding it that
+  claims it (an exclusive create of `claims/<s>.json`: one writer, no collective); the others exit.
+- Each writer saves locally first (the node-local staging dir: a relaunch on this node reads it
+  from there), renames its files to `__<s>_<i>.distcp`, uploads them with its DCP metadata
+  (`rescue-<s>.metadata`) and a manifest (`ranks/rescue-<s>.json`: sizes and checksums).
+- The writer that finds every shard's manifest there claims the commit, merges the shards'
+  metadata into one `.metadata` (each read through the checkpoint reader's allow-list) and writes
+  COMMIT.json (kind `rescue`, the ranks that wrote it) with an exclusive create.
+
+The result is a step dir like any other (`step-000000073.rescue`): verified byte by byte before a
+restore uses it, fenced by config hash and run name, reshared on load, removed once a regular
+commit supersedes it. Anything not committed within `checkpoint.rescue_timeout_s` stays
+uncommitted and is never loaded: the relaunch uses the newest regular commit.
+
+What makes the written state exact is the Rescue object the loop drives (`boundary`, `updating`):
+docs/checkpointing.md, "Rescue checkpoints".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from goodput.checkpoint.layout import (
+    COMMIT,
+    RANKS,
+    CommitError,
+    check_files,
+    commit_record,
+    is_rescue,
+    newest_first,
+    parse_step,
+    step_dir,
+)
+from goodput.storage.checksum import CHECKSUM
+from goodput.storage.local import atomic_write
+from goodput.storage.remote import DIR
+from goodput.untrusted import RecordError, field, parse_record
+
+log = logging.getLogger(__name__)
+
+CLAIMS = "claims"
+RECORDS = "rescues"  # beside the checkpoints: one record per rank that tried (goodput.resilience.bookkeeping)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """What a commit record says wrote the files (layout.commit_record's `backend`)."""
+
+    name: str = "rescue"
+    format: str = "dcp"
+
+
+class Rescue:
+    """The loop's side: where the state stands, so a failure can write the last finished step.
+
+    `boundary(step)`: the state is whole at the end of `step` (its optimizer update, schedule, EMA,
+    and an evaluation of that step are done). The loader's position and the model's buffers are
+    noted here, because the next step changes them before its update: the loader delivers the next
+    batch, the forward updates BatchNorm statistics. The random streams need nothing: they are
+    reseeded from (seed, rank, step) before every step (checkpoint.state.RNGState.at_step).
+    `updating()`: the optimizer update starts, parameters are about to be half-written: no rescue
+    until the next boundary.
+
+    `write(why)` (on a failure: any thread, no collective, bounded by `timeout_s`) writes this rank's
+    shard of the boundary state and commits it when every shard is there. Returns the outcome."""
+
+    def __init__(self, enabled: bool, timeout_s: float, store, staging_dir: str, rank: int, world: int,
+                 strategy, app, rng, model, info, attempt=lambda: 0):  # fmt: skip
+        self.enabled, self.timeout_s = enabled, timeout_s
+        self.store, self.staging_dir, self.rank, self.world = store, staging_dir, rank, world
+        group = strategy.replica_group(rank, world)
+        self.shard, self.n_shards = group.index(rank), len(group)
+        # the ranks whose per-rank state this shard's writer writes: every rank at its shard position
+        self.speaks_for = [r for r in range(world) if _position(strategy, r, world) == self.shard]
+        self.app, self.rng, self.model = app, rng, model
+        self.info, self.attempt = info, attempt  # info(): the commit record's fields (the manager's)
+        self.step: int | None = None  # the boundary the state is at (None: inside an update, or not yet)
+        self.reached = 0  # the newest step whose update finished
+        self.since: int | None = None  # the step this attempt started from: nothing to gain at or before it
+        self._data = None
+        self._buffers: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._result: dict | None = None
+
+    # -- the loop's side ---------------------------------------------------------------------------
+    def boundary(self, step: int) -> None:
+        if not self.enabled:
+            return
+        if self.since is None:
+            self.since = step
+        self.reached = step
+        self._data = self.app.parts["data"].state_dict()  # settles the delivered batches' hash
+        with torch.no_grad():
+            self._buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.step = step
+
+    def updating(self) -> None:
+        self.step = None
+
+    # -- the failure's side ------------------------------------------------------------------------
+    def write(self, why: str) -> dict:
+        """Write this rank's part of the boundary state (once per process: a second caller, the
+        grace timer or the watchdog while the main thread rescues, waits for the first's result)."""
+        with self._lock:
+            if self._result is None:
+                self._result = self._bounded(why)
+            return self._result
+
+    def _bounded(self, why: str) -> dict:
+        t0 = time.monotonic()
+        out = {"attempt": self.attempt(), "rank": self.rank, "time": time.time(), "reason": why[:500],
+               "reached": self.reached, "step": self.step, "shard": self.shard}  # fmt: skip
+        if not self.enabled:
+            return {**out, "outcome": "off", "seconds": 0.0}
+        if self.step is None:
+            log.warning("rescue: rank %d was inside an optimizer update (parameters half-written): "
+                        "nothing to rescue", self.rank)  # fmt: skip
+            return self._record({**out, "outcome": "in_update", "seconds": 0.0})
+        if self.since is not None and self.step <= self.since:
+            return self._record({**out, "outcome": "nothing_new", "seconds": 0.0})
+        box: dict = {}
+        th = threading.Thread(target=self._write, args=(self.step, box), name="rescue", daemon=True)
+        th.start()
+        th.join(self.timeout_s)
+        seconds = time.monotonic() - t0
+        if th.is_alive():
+            log.warning("rescue: rank %d did not finish step %d within checkpoint.rescue_timeout_s=%gs: "
+                        "it stays uncommitted, the relaunch uses the newest regular commit",
+                        self.rank, self.step, self.timeout_s)  # fmt: skip
+            return self._record({**out, "outcome": "timed_out", "seconds": seconds})
+        if "error" in box:
+            log.warning("rescue: rank %d could not write step %d: %r", self.rank, self.step, box["error"])
+            error = repr(box["error"])[:500]
+            return self._record({**out, "outcome": "failed", "error": error, "seconds": seconds})
+        rec = {**out, **box, "seconds": seconds}
+        if rec["outcome"] in ("committed", "written"):
+            log.warning("rescue: rank %d wrote shard %d/%d of step %d in %.2fs%s (the failure: %s)",
+                        self.rank, self.shard, self.n_shards, self.step, seconds,
+                        ", and committed it" if rec["outcome"] == "committed" else "", why[:200])  # fmt: skip
+        else:
+            log.warning("rescue: rank %d: step %d %s", self.rank, self.step, rec["outcome"].replace("_", " "))
+        return self._record(rec)
+
+    def _write(self, step: int, box: dict) -> None:
+        try:
+            box.update(write_shard(self.store, self.staging_dir, step, self.shard, self.n_shards,
+                                   self.rank, self.world, self.state(step), self.info))  # fmt: skip
+        except BaseException as e:  # CheckpointException derives from BaseException
+            box["error"] = e
+
+    def state(self, step: int) -> dict:
+        """The state dict at the boundary after `step`, tensors on the host, with this shard's
+        per-rank entries for every rank it speaks for. No collective; the live state is put back to
+        the boundary first (the process exits after the rescue)."""
+        with torch.no_grad():
+            for live, saved in zip(self.model.buffers(), self._buffers):
+                live.copy_(saved)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        rank_parts = {r: {"rng": self.rng.derived(r, step)} for r in self.speaks_for}
+        sd = self.app.state_dict(StateDictOptions(), parts={"data": self._data}, rank_parts=rank_parts)
+        return _to_host(sd)
+
+    def _record(self, rec: dict) -> dict:
+        """What this rank did, beside the checkpoints (the summary's `rescues`, the ledger's
+        `rescue` seconds). Bounded: the store may be what failed."""
+        path = f"{RECORDS}/attempt{rec['attempt']:04d}-rank{rec['rank']}.json"
+        th = threading.Thread(target=_quietly, args=(self.store.write_bytes, path, json.dumps(rec).encode()),
+                              daemon=True)  # fmt: skip
+        th.start()
+        th.join(timeout=5.0)
+        return rec
+
+
+def _position(strategy, rank: int, world: int) -> int:
+    return strategy.replica_group(rank, world).index(rank)
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        log.warning("rescue: could not write its record: %r", e)
+
+
+def _to_host(sd):
+    """Tensors copied to host memory, on a stream of their own on CUDA: after an NCCL failure the
+    default stream may wait behind a collective that never ends."""
+    if not torch.cuda.is_available():
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    stream = torch.cuda.Stream()
+
+    def host(t):
+        if isinstance(t, DTensor):
+            local = host(t.to_local())
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())  # fmt: skip
+        if torch.is_tensor(t) and t.device.type != "cpu":
+            with torch.cuda.stream(stream):
+                out = t.detach().to("cpu")
+            stream.synchronize()
+            return out
+        return t
+
+    def walk(tree):
+        return {k: walk(v) for k, v in tree.items()} if isinstance(tree, dict) else host(tree)
+
+    return walk(sd)
+
+
+# -- the store's side: claims, shards, the commit ----------------------------------------------------
+def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, rank: int, world: int,
+                sd: dict, info) -> dict:  # fmt: skip
+    """Write shard `shard` of `n_shards` of the rescue of `step` (no collective), and commit the
+    rescue if every shard is there. Returns {"outcome": ...}: `committed`, `written` (another
+    rank commits), `claimed_by_another`, `already_committed`."""
+    rel = step_dir(step, rescue=True)
+    if store.exists(f"{step_dir(step)}/{COMMIT}") or store.exists(f"{rel}/{COMMIT}"):
+        return {"outcome": "already_committed"}
+    me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
+    if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
+        return {"outcome": "claimed_by_another"}
+    local = os.path.join(staging_dir, rel)
+    files = _save_locally(sd, local, shard)
+    uploaded = {name: _put(store, local, rel, name) for name in files}
+    manifest = {"files": uploaded, "rank": rank, "shard": shard}
+    store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
+    present = store.ls(f"{rel}/{RANKS}")
+    if not all(f"rescue-{s}.json" in present for s in range(n_shards)):
+        return {"outcome": "written"}
+    if not store.create_exclusive(f"{rel}/{CLAIMS}/commit.json", me):
+        return {"outcome": "written"}
+    commit(store, local, rel, step, n_shards, world, info())
+    return {"outcome": "committed"}
+
+
+def _save_locally(sd: dict, local: str, shard: int) -> list[str]:
+    """DCP's single-process save of `sd` into `local`, its files renamed for shard `shard`; returns
+    the file names to upload (the data files, then `rescue-<shard>.metadata`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from goodput import logs
+    from goodput.checkpoint.backends import load_metadata
+
+    tmp = os.path.join(local, f"shard-{shard}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(local, exist_ok=True)
+    # DCP warns that no_dist is meant for one process: here that is the point (no collective)
+    with logs.known_warning("torch.distributed is disabled", "torch.distributed.checkpoint"):
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
+    with open(os.path.join(tmp, ".metadata"), "rb") as f:
+        md = load_metadata(f.read())
+    names = {}
+    for info in md.storage_data.values():  # __0_<i>.distcp (rank 0 of one) -> __<shard>_<i>.distcp
+        old = str(info.relative_path)
+        new = names.setdefault(old, f"__{shard}_{old.split('_', 3)[3]}")
+        info.relative_path = new
+    for old, new in names.items():
+        os.replace(os.path.join(tmp, old), os.path.join(local, new))
+    meta = f"rescue-{shard}.metadata"
+    atomic_write(os.path.join(local, meta), pickle.dumps(md))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(set(names.values())) + [meta]
+
+
+def _put(store, local: str, rel: str, name: str) -> dict:
+    t = store.put(os.path.join(local, name), f"{rel}/{name}")
+    return {"bytes": t.size, CHECKSUM: t.digest}
+
+
+def parse_rescue_manifest(data: bytes, shard: int) -> dict:
+    """`ranks/rescue-<shard>.json`, checked as untrusted input (RecordError naming the file)."""
+    what = f"{RANKS}/rescue-{shard}.json"
+    rec = parse_record(data, what)
+    field(rec, "rank", int, what, minimum=0)
+    if field(rec, "shard", int, what, minimum=0) != shard:
+        raise RecordError(f"{what}: 'shard' is {rec['shard']}, the file name says {shard}")
+    try:
+        rec["files"] = check_files(rec.get("files"))
+    except CommitError as e:
+        raise RecordError(f"{what}: {e}") from None
+    if f"rescue-{shard}.metadata" not in rec["files"]:
+        raise RecordError(f"{what}: lists no rescue-{shard}.metadata")
+    return rec
+
+
+def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, info: dict) -> None:
+    """Merge every shard's metadata into `.metadata` and write COMMIT.json (exclusive)."""
+    from goodput.checkpoint.backends import load_metadata
+
+    files, parts, ranks = {}, [], []
+    for s in range(n_shards):
+        m = parse_rescue_manifest(store.read_bytes(f"{rel}/{RANKS}/rescue-{s}.json"), s)
+        if m["rank"] >= world:
+            raise RecordError(f"{RANKS}/rescue-{s}.json: rank {m['rank']} is not below world size {world}")
+        ranks.append(m["rank"])
+        meta = f"rescue-{s}.metadata"
+        path = os.path.join(local, f".{meta}.got")
+        want = m["files"][meta]
+        got = store.get(f"{rel}/{meta}", path, limit=want["bytes"])
+        if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+            raise RecordError(f"{store.url(f'{rel}/{meta}')}: differs from {RANKS}/rescue-{s}.json")
+        with open(path, "rb") as f:
+            parts.append(load_metadata(f.read()))
+        os.unlink(path)
+        files.update({k: v for k, v in m["files"].items() if k != meta})
+    atomic_write(os.path.join(local, ".metadata"), pickle.dumps(merge_metadata(parts)))
+    files[".metadata"] = _put(store, local, rel, ".metadata")  # DCP's own marker: after every shard
+    fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": newest_regular(store, step)}
+    record = commit_record(step, Writer(), world, files, {**info, **fields})
+    if not store.create_exclusive(f"{rel}/{COMMIT}", record):
+        raise FileExistsError(f"{store.url(rel)}: committed by another rank meanwhile")
+
+
+def newest_regular(store, below: int) -> int:
+    """The newest regular commit before step `below` (0: none): what a relaunch would resume from
+    without the rescue (summary.json's rescues.steps_saved)."""
+    names = [n for n, size in store.ls().items() if size == DIR and parse_step(n) is not None]
+    for name in newest_first(n for n in names if not is_rescue(n) and parse_step(n) < below):
+        if store.exists(f"{name}/{COMMIT}"):
+            return parse_step(name)
+    return 0
+
+
+def merge_metadata(parts: list):
+    """One DCP Metadata from the shards' own: each tensor's chunks united (a chunk two shards both
+    hold, a replicated tensor or a per-rank entry, kept once), each chunk's location from the first
+    shard holding it. Refuses shards that disagree on a tensor, and a tensor whose chunks do not
+    cover it (a missing shard)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from goodput.checkpoint.backends import CheckpointLoadError
+
+    tensors: dict = {}
+    storage: dict = {}
+    planner: dict = {}
+    for md in parts:
+        for fqn, t in md.state_dict_metadata.items():
+            have = tensors.get(fqn)
+            if have is None:
+                tensors[fqn] = TensorStorageMetadata(t.properties, t.size, list(t.chunks))
+                continue
+            if have.size != t.size or have.properties.dtype != t.properties.dtype:
+                raise CheckpointLoadError(f"rescue shards disagree on {fqn}: {have.size} vs {t.size}")
+            seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+            have.chunks += [c for c in t.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen]
+        for index, where in (md.storage_data or {}).items():
+            storage.setdefault(index, where)
+        for k, v in (md.planner_data or {}).items():
+            planner.setdefault(k, v)
+    for fqn, t in tensors.items():
+        covered = sum(_numel(c.sizes) for c in t.chunks)
+        if covered != _numel(t.size):
+            raise CheckpointLoadError(f"rescue shards cover {covered} of {_numel(t.size)} elements of {fqn}")
+    first = parts[0]
+    return Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage,
+                    storage_meta=first.storage_meta, version=first.version)  # fmt: skip
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+def check_record(data: bytes, what: str) -> dict:
+    """A rescue record (Rescue._record), every field the accounting reads checked."""
+    rec = parse_record(data, what)
+    field(rec, "attempt", int, what, minimum=0)
+    field(rec, "rank", int, what, minimum=0)
+    field(rec, "time", (int, float), what)
+    field(rec, "reached", int, what, minimum=0)
+    if field(rec, "step", (int, type(None)), what) is not None:
+        field(rec, "step", int, what, minimum=0)
+    field(rec, "outcome", str, what)
+    field(rec, "seconds", (int, float), what, minimum=0)
+    return rec
