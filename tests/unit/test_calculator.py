@@ -439,3 +439,29 @@ def test_cli_human_and_tables(capsys) -> None:
     assert "Goodput 91.0%" in out and "8.6 interruptions/day" in out
     assert main(["tables"]) == 0
     assert capsys.readouterr().out == calculator.markdown(calculator.article_tables())
+
+
+@pytest.mark.parametrize("kind", ["regular", "rescue", None])
+def test_attempt_records_keep_what_a_restart_resumed_from(tmp_path, kind) -> None:
+    from goodput.resilience.accounting import Attempts, check_attempt
+    from goodput.storage.remote import Storage
+
+    n = Attempts(Storage(str(tmp_path))).begin(7 if kind else None, resumed_kind=kind)
+    data = (tmp_path / "attempts" / f"{n:04d}.json").read_bytes()
+    assert check_attempt(data, f"{n:04d}.json", n)["resumed_kind"] == kind
+
+
+def test_attempt_record_with_another_resumed_kind_is_refused_naming_the_file(tmp_path) -> None:
+    from goodput.resilience.accounting import Attempts, check_attempt
+    from goodput.storage.remote import Storage
+    from goodput.untrusted import RecordError
+
+    record = {"attempt": 3, "start": 1.0, "step": 5, "resumed_from": 5, "resumed_kind": "lucky"}
+    with pytest.raises(RecordError, match=r"^attempts/0003\.json: 'resumed_kind' is 'lucky'"):
+        check_attempt(json.dumps(record).encode(), "0003.json", 3)
+    with pytest.raises(RecordError, match="attempts/0003.json: 'resumed_kind' is 1"):
+        check_attempt(json.dumps({**record, "resumed_kind": 1}).encode(), "0003.json", 3)
+    del record["resumed_kind"]  # records written before the field: a first start's, or unknown
+    assert check_attempt(json.dumps(record).encode(), "0003.json", 3).get("resumed_kind") is None
+    with pytest.raises(ValueError, match="resumed_kind"):
+        Attempts(Storage(str(tmp_path))).begin(5, resumed_kind="lucky")
