@@ -465,3 +465,80 @@ def test_attempt_record_with_another_resumed_kind_is_refused_naming_the_file(tmp
     assert check_attempt(json.dumps(record).encode(), "0003.json", 3).get("resumed_kind") is None
     with pytest.raises(ValueError, match="resumed_kind"):
         Attempts(Storage(str(tmp_path))).begin(5, resumed_kind="lucky")
+
+
+@pytest.mark.parametrize(
+    ("p", "per_failure", "lost_hours"),
+    [(0, 900, 2.15), (0.5, 0.5 * 900 + 0.5 * 10, 8.6 * 455 / 3600), (1, 10, 8.6 * 10 / 3600)],
+)
+def test_a_rescue_loses_one_step_instead_of_half_an_interval(p, per_failure, lost_hours) -> None:
+    # 30 min interval: half of it is 900 s; a rescued failure loses one 10 s step.
+    assert calculator.lost_work_per_failure_seconds(30, 0, p, 10) == pytest.approx(per_failure)
+    r = goodput(8.6, 30, rescue_probability=p, step_seconds=10)
+    assert r["lost_hours_per_day"] == pytest.approx(lost_hours)
+    assert r["goodput"] == pytest.approx(1 - lost_hours / 24)
+    # A commit delay is paid only by the failures a rescue does not cover: (1 - p) * (900 + 36) + p * 10.
+    late = goodput(8.6, 30, commit_delay_seconds=36, rescue_probability=p, step_seconds=10)
+    assert late["lost_hours_per_day"] == pytest.approx(8.6 * ((1 - p) * 936 + p * 10) / 3600)
+
+
+def test_young_daly_with_rescue() -> None:
+    # Only (1 - p) of failures pay half an interval: T = sqrt(2 * C * MTBF / (1 - p)).
+    c, mtbf = 2.0, 86400.0
+    assert optimal_interval(2, 24, rescue_probability=0)["interval_minutes"] == pytest.approx(587.878 / 60)
+    half = optimal_interval(2, 24, 1, rescue_probability=0.5, step_seconds=1)
+    t = math.sqrt(2 * c * mtbf / 0.5)
+    assert t == pytest.approx(831.384, abs=1e-3)  # sqrt(691,200) s: sqrt(2) x the 587.9 s without rescue
+    assert half["interval_minutes"] == pytest.approx(t / 60)
+    assert half["goodput"] == pytest.approx(1 - c / t - (0.5 * t / 2 + 0.5 * 1 + 60) / mtbf)
+    # p = 1: every failure costs one step at any interval, so failures set none; goodput 1 - (step + R)/MTBF.
+    every = optimal_interval(2, 24, 1, rescue_probability=1, step_seconds=1)
+    assert every["interval_minutes"] is None and "every failure is rescued" in every["note"]
+    assert every["goodput"] == pytest.approx(1 - 61 / mtbf)
+    for p in (0.2, 0.5, 0.9):  # still the optimum of the first-order model it comes from
+        best = optimal_interval(5, 12, rescue_probability=p, step_seconds=1)
+        for factor in (0.5, 0.8, 1.25, 2.0):
+            m = best["interval_minutes"] * factor
+            r = goodput(2, m, save_stall_seconds=5, rescue_probability=p, step_seconds=1)
+            assert r["goodput"] < best["goodput"]
+
+
+def test_simulated_rescue_matches_the_closed_form() -> None:
+    # Failures rare within an interval (2/day at 5 min), no restarts: the first-order form is exact
+    # to well within the sampling error of ~120,000 failures.
+    p, step, a = 0.5, 2.0, 300.0
+    r = simulate(2, 5, trials=2000, seed=1, rescue_probability=p, step_seconds=step)
+    assert r["rescue_probability"] == p and r["lost_work_per_failure_seconds"] == pytest.approx(76)
+    failures = r["failures_mean"] * r["trials"]
+    per_failure = r["redone_hours_mean"] * 3600 / r["failures_mean"]
+    # A loss is uniform on [0, a) without rescue, one step with: the mixture's variance.
+    var = (1 - p) * a**2 / 3 + p * step**2 - ((1 - p) * a / 2 + p * step) ** 2
+    assert abs(per_failure - r["lost_work_per_failure_seconds"]) < 4 * math.sqrt(var / failures)
+    assert abs(r["goodput_mean"] - r["closed_form_goodput"]) < 4 * r["goodput_sem"] + 1e-6
+    assert r["renewal_goodput"] is None  # the renewal form knows no rescue
+    # Rescues come from a stream of their own: the same seed, the same failures at any p.
+    plain = simulate(2, 5, trials=2000, seed=1)
+    assert r["failures_mean"] == plain["failures_mean"] and r["goodput_mean"] > plain["goodput_mean"]
+    assert plain["rescue_probability"] == 0 and plain["lost_work_per_failure_seconds"] == 150
+    every = simulate(2, 5, trials=200, seed=1, rescue_probability=1, step_seconds=step)
+    assert every["redone_hours_mean"] * 3600 / every["failures_mean"] == pytest.approx(step, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: goodput(8.6, 30, rescue_probability=-0.1, step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=1.5, step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=float("nan"), step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=0.5), "step_seconds"),
+        (lambda: goodput(8.6, 30, rescue_probability=0.5, step_seconds=0), "step_seconds"),
+        (lambda: goodput(8.6, 1, rescue_probability=0.5, step_seconds=61), "step_seconds"),  # no room
+        (lambda: optimal_interval(2, 24, rescue_probability=2, step_seconds=1), "rescue_probability"),
+        (lambda: optimal_interval(2, 24, rescue_probability=0.5), "step_seconds"),
+        (lambda: simulate(8.6, 30, rescue_probability=0.5), "step_seconds"),
+        (lambda: simulate(8.6, 30, rescue_probability=-1, step_seconds=1), "rescue_probability"),
+    ],
+)
+def test_invalid_rescue_names_the_argument(call, argument: str) -> None:
+    with pytest.raises(ValueError, match=f"^{argument} "):
+        call()
