@@ -439,3 +439,234 @@ def test_cli_human_and_tables(capsys) -> None:
     assert "Goodput 91.0%" in out and "8.6 interruptions/day" in out
     assert main(["tables"]) == 0
     assert capsys.readouterr().out == calculator.markdown(calculator.article_tables())
+
+
+@pytest.mark.parametrize("kind", ["regular", "rescue", None])
+def test_attempt_records_keep_what_a_restart_resumed_from(tmp_path, kind) -> None:
+    from goodput.resilience.accounting import Attempts, check_attempt
+    from goodput.storage.remote import Storage
+
+    n = Attempts(Storage(str(tmp_path))).begin(7 if kind else None, resumed_kind=kind)
+    data = (tmp_path / "attempts" / f"{n:04d}.json").read_bytes()
+    assert check_attempt(data, f"{n:04d}.json", n)["resumed_kind"] == kind
+
+
+def test_attempt_record_with_another_resumed_kind_is_refused_naming_the_file(tmp_path) -> None:
+    from goodput.resilience.accounting import Attempts, check_attempt
+    from goodput.storage.remote import Storage
+    from goodput.untrusted import RecordError
+
+    record = {"attempt": 3, "start": 1.0, "step": 5, "resumed_from": 5, "resumed_kind": "lucky"}
+    with pytest.raises(RecordError, match=r"^attempts/0003\.json: 'resumed_kind' is 'lucky'"):
+        check_attempt(json.dumps(record).encode(), "0003.json", 3)
+    with pytest.raises(RecordError, match="attempts/0003.json: 'resumed_kind' is 1"):
+        check_attempt(json.dumps({**record, "resumed_kind": 1}).encode(), "0003.json", 3)
+    del record["resumed_kind"]  # records written before the field: a first start's, or unknown
+    assert check_attempt(json.dumps(record).encode(), "0003.json", 3).get("resumed_kind") is None
+    with pytest.raises(ValueError, match="resumed_kind"):
+        Attempts(Storage(str(tmp_path))).begin(5, resumed_kind="lucky")
+
+
+@pytest.mark.parametrize(
+    ("p", "per_failure", "lost_hours"),
+    [(0, 900, 2.15), (0.5, 0.5 * 900 + 0.5 * 10, 8.6 * 455 / 3600), (1, 10, 8.6 * 10 / 3600)],
+)
+def test_a_rescue_loses_one_step_instead_of_half_an_interval(p, per_failure, lost_hours) -> None:
+    # 30 min interval: half of it is 900 s; a rescued failure loses one 10 s step.
+    assert calculator.lost_work_per_failure_seconds(30, 0, p, 10) == pytest.approx(per_failure)
+    r = goodput(8.6, 30, rescue_probability=p, step_seconds=10)
+    assert r["lost_hours_per_day"] == pytest.approx(lost_hours)
+    assert r["goodput"] == pytest.approx(1 - lost_hours / 24)
+    # A commit delay is paid only by the failures a rescue does not cover: (1 - p) * (900 + 36) + p * 10.
+    late = goodput(8.6, 30, commit_delay_seconds=36, rescue_probability=p, step_seconds=10)
+    assert late["lost_hours_per_day"] == pytest.approx(8.6 * ((1 - p) * 936 + p * 10) / 3600)
+
+
+def test_young_daly_with_rescue() -> None:
+    # Only (1 - p) of failures pay half an interval: T = sqrt(2 * C * MTBF / (1 - p)).
+    c, mtbf = 2.0, 86400.0
+    assert optimal_interval(2, 24, rescue_probability=0)["interval_minutes"] == pytest.approx(587.878 / 60)
+    half = optimal_interval(2, 24, 1, rescue_probability=0.5, step_seconds=1)
+    t = math.sqrt(2 * c * mtbf / 0.5)
+    assert t == pytest.approx(831.384, abs=1e-3)  # sqrt(691,200) s: sqrt(2) x the 587.9 s without rescue
+    assert half["interval_minutes"] == pytest.approx(t / 60)
+    assert half["goodput"] == pytest.approx(1 - c / t - (0.5 * t / 2 + 0.5 * 1 + 60) / mtbf)
+    # p = 1: every failure costs one step at any interval, so failures set none; goodput 1 - (step + R)/MTBF.
+    every = optimal_interval(2, 24, 1, rescue_probability=1, step_seconds=1)
+    assert every["interval_minutes"] is None and "every failure is rescued" in every["note"]
+    assert every["goodput"] == pytest.approx(1 - 61 / mtbf)
+    for p in (0.2, 0.5, 0.9):  # still the optimum of the first-order model it comes from
+        best = optimal_interval(5, 12, rescue_probability=p, step_seconds=1)
+        for factor in (0.5, 0.8, 1.25, 2.0):
+            m = best["interval_minutes"] * factor
+            r = goodput(2, m, save_stall_seconds=5, rescue_probability=p, step_seconds=1)
+            assert r["goodput"] < best["goodput"]
+
+
+def test_simulated_rescue_matches_the_closed_form() -> None:
+    # Failures rare within an interval (2/day at 5 min), no restarts: the first-order form is exact
+    # to well within the sampling error of ~120,000 failures.
+    p, step, a = 0.5, 2.0, 300.0
+    r = simulate(2, 5, trials=2000, seed=1, rescue_probability=p, step_seconds=step)
+    assert r["rescue_probability"] == p and r["lost_work_per_failure_seconds"] == pytest.approx(76)
+    failures = r["failures_mean"] * r["trials"]
+    per_failure = r["redone_hours_mean"] * 3600 / r["failures_mean"]
+    # A loss is uniform on [0, a) without rescue, one step with: the mixture's variance.
+    var = (1 - p) * a**2 / 3 + p * step**2 - ((1 - p) * a / 2 + p * step) ** 2
+    assert abs(per_failure - r["lost_work_per_failure_seconds"]) < 4 * math.sqrt(var / failures)
+    assert abs(r["goodput_mean"] - r["closed_form_goodput"]) < 4 * r["goodput_sem"] + 1e-6
+    assert r["renewal_goodput"] is None  # the renewal form knows no rescue
+    # Rescues come from a stream of their own: the same seed, the same failures at any p.
+    plain = simulate(2, 5, trials=2000, seed=1)
+    assert r["failures_mean"] == plain["failures_mean"] and r["goodput_mean"] > plain["goodput_mean"]
+    assert plain["rescue_probability"] == 0 and plain["lost_work_per_failure_seconds"] == 150
+    every = simulate(2, 5, trials=200, seed=1, rescue_probability=1, step_seconds=step)
+    assert every["redone_hours_mean"] * 3600 / every["failures_mean"] == pytest.approx(step, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: goodput(8.6, 30, rescue_probability=-0.1, step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=1.5, step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=float("nan"), step_seconds=1), "rescue_probability"),
+        (lambda: goodput(8.6, 30, rescue_probability=0.5), "step_seconds"),
+        (lambda: goodput(8.6, 30, rescue_probability=0.5, step_seconds=0), "step_seconds"),
+        (lambda: goodput(8.6, 1, rescue_probability=0.5, step_seconds=61), "step_seconds"),  # no room
+        (lambda: optimal_interval(2, 24, rescue_probability=2, step_seconds=1), "rescue_probability"),
+        (lambda: optimal_interval(2, 24, rescue_probability=0.5), "step_seconds"),
+        (lambda: simulate(8.6, 30, rescue_probability=0.5), "step_seconds"),
+        (lambda: simulate(8.6, 30, rescue_probability=-1, step_seconds=1), "rescue_probability"),
+    ],
+)
+def test_invalid_rescue_names_the_argument(call, argument: str) -> None:
+    with pytest.raises(ValueError, match=f"^{argument} "):
+        call()
+
+
+def test_cli_rescue_flags(capsys) -> None:
+    rate = ["--interruptions-per-day", "8.6"]
+    r = run_json(capsys, "goodput", *rate, "--interval-minutes", "30", "--rescue-probability", "0.5",
+                 "--step-seconds", "10")  # fmt: skip
+    assert r["rescue_probability"] == 0.5 and r["lost_hours_per_day"] == pytest.approx(8.6 * 455 / 3600)
+    assert r["renewal_goodput"] is None  # the exact form knows no rescue
+    assert run_json(capsys, "goodput", *rate, "--interval-minutes", "30")["rescue_probability"] == 0
+    r = run_json(capsys, "optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "24",
+                 "--rescue-probability", "0.5", "--step-seconds", "1")  # fmt: skip
+    assert r["interval_minutes"] == pytest.approx(math.sqrt(2 * 2 * 86400 / 0.5) / 60)
+    r = run_json(capsys, "optimal-interval", "--save-stall-seconds", "2", "--mtbf-hours", "24",
+                 "--rescue-probability", "1", "--step-seconds", "1")  # fmt: skip
+    assert r["interval_minutes"] is None and r["note"] and r["rescue_probability"] == 1
+    sim = ["simulate", *rate, "--save-stall-seconds", "1", "--trials", "200"]
+    r = run_json(capsys, *sim, "--rescue-probability", "0.9", "--step-seconds", "2")
+    yd = optimal_interval(1, 24 / 8.6, rescue_probability=0.9, step_seconds=2)["interval_minutes"]
+    assert r["interval_minutes"] == pytest.approx(yd)  # Young/Daly with rescue: sqrt(10) x longer
+    assert r["lost_work_per_failure_seconds"] == pytest.approx(0.1 * yd * 60 / 2 + 0.9 * 2)
+    assert main([*sim, "--rescue-probability", "0.9", "--step-seconds", "2"]) == 0
+    assert "90.0% of failures lose one 2 s step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "also"),
+    [
+        (["goodput", "--interval-minutes", "30", "--rescue-probability", "1.5", "--step-seconds", "1"],
+         "--rescue-probability", "between 0 and 1"),
+        (["goodput", "--interval-minutes", "30", "--rescue-probability", "nan", "--step-seconds", "1"],
+         "--rescue-probability", "finite"),
+        (["goodput", "--interval-minutes", "30", "--rescue-probability", "0.5"],
+         "--step-seconds", "--rescue-probability"),
+        (["goodput", "--interval-minutes", "30", "--rescue-probability", "0.5", "--step-seconds", "-1"],
+         "--step-seconds", "> 0"),
+        (["optimal-interval", "--save-stall-seconds", "2", "--rescue-probability", "0.5"],
+         "--step-seconds", "--rescue-probability"),
+        (["simulate", "--save-stall-seconds", "2", "--rescue-probability", "-0.5", "--step-seconds", "1"],
+         "--rescue-probability", "got -0.5"),
+        (["simulate", "--save-stall-seconds", "2", "--rescue-probability", "1", "--step-seconds", "1"],
+         "--interval-minutes", "every failure is rescued"),
+        (["advise", "no-such-run", "--rescue-probability", "2"], "--rescue-probability", "between 0 and 1"),
+    ],
+)  # fmt: skip
+def test_cli_bad_rescue_exits_2_naming_the_flag(capsys, args: list[str], flag: str, also: str) -> None:
+    rate = [] if args[0] == "advise" else ["--mtbf-hours", "24"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, *rate, "--json"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and f"argument {flag}" in out.err and also in out.err and out.out == ""
+
+
+def _advised_run(tmp_path, monkeypatch, kinds: list[str | None]) -> str:
+    """A checkpoint dir with one attempt record per start (`kinds`: what each restart resumed from)
+    beside an MLflow run that measured a 0.3 s stall, commits 1 s later and 0.5 s steps."""
+    from types import ModuleType, SimpleNamespace
+
+    from goodput.calculator import advise
+    from goodput.resilience.accounting import Attempts
+    from goodput.storage.remote import Storage
+
+    for i, kind in enumerate([None, *kinds]):
+        Attempts(Storage(str(tmp_path))).begin(10 * i if kind else None, resumed_kind=kind)
+    history = {"ckpt/blocking_seconds": [0.2, 0.3, 0.4], "ckpt/total_seconds": [1.3, 1.3, 1.3],
+               "goodput/productive_seconds": [100.0]}  # fmt: skip
+    metrics = {"goodput/startup_seconds": 5.0, "goodput/productive_seconds": 100.0}
+
+    class Client:  # the two calls `measured` makes, without an MLflow store
+        def __init__(self, uri: str) -> None:
+            pass
+
+        def get_run(self, rid: str):
+            return SimpleNamespace(data=SimpleNamespace(metrics=metrics))
+
+        def get_metric_history(self, rid: str, key: str):
+            return [SimpleNamespace(value=v, step=200) for v in history.get(key, [])]
+
+    fake = ModuleType("mlflow.tracking")
+    fake.MlflowClient = Client
+    monkeypatch.setitem(sys.modules, "mlflow", ModuleType("mlflow"))
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", fake)
+    monkeypatch.setattr(advise, "run_id", lambda run: "a" * 32)  # no commits here: test_checkpoint's part
+    return str(tmp_path)
+
+
+def test_advise_measures_the_rescue_probability_from_the_attempt_records(tmp_path, monkeypatch, capsys):
+    run = _advised_run(tmp_path, monkeypatch, ["rescue", "regular", "rescue", None])
+    args = ["advise", run, "--gpus", "1024", "--afr", "0.01", "--trials", "200"]
+    r = run_json(capsys, *args)
+    # 2 of the 4 restarts resumed from a rescue; a step is 100 s / 200 steps of productive compute.
+    assert r["rescue_probability"] == 0.5 and r["rescue_restarts"] == 4
+    assert "2 of 4 restarts" in r["rescue_source"] and r["step_seconds"] == pytest.approx(0.5)
+    mtbf = mtbf_hours_from_afr(1024, 0.01)
+    yd = optimal_interval(0.3, mtbf, r["restart_seconds"] / 60, 1.0, rescue_probability=0.5, step_seconds=0.5)
+    assert r["interval_minutes"] == pytest.approx(yd["interval_minutes"])
+    assert r["closed_form_goodput"] == pytest.approx(yd["goodput"], abs=1e-6)
+    # An explicit probability (and step time) overrides the measured one, and says so.
+    r = run_json(capsys, *args, "--rescue-probability", "0", "--step-seconds", "2")
+    assert r["rescue_probability"] == 0 and r["rescue_source"].startswith("--rescue-probability")
+    assert "measured 0.5" in r["rescue_source"]
+    plain = optimal_interval(0.3, mtbf, r["restart_seconds"] / 60, 1.0)["interval_minutes"]
+    assert r["interval_minutes"] == pytest.approx(plain)
+    r = run_json(capsys, *args, "--step-seconds", "2")
+    assert r["step_seconds"] == 2 and r["lost_work_per_failure_seconds"] == pytest.approx(
+        0.5 * (r["interval_minutes"] * 30 + 1.0) + 0.5 * 2
+    )
+    assert main(args) == 0
+    assert "Rescue probability 0.5 from attempt records: 2 of 4 restarts" in capsys.readouterr().out
+
+
+def test_advise_when_every_restart_was_rescued(tmp_path, monkeypatch, capsys) -> None:
+    run = _advised_run(tmp_path, monkeypatch, ["rescue", "rescue"])
+    r = run_json(capsys, "advise", run, "--trials", "200")
+    assert r["rescue_probability"] == 1 and r["interval_minutes"] is None and "goodput_mean" not in r
+    assert main(["advise", run]) == 0
+    assert "Young/Daly sets no interval" in capsys.readouterr().out
+
+
+def test_advise_without_restarts_or_records_assumes_no_rescue(tmp_path, monkeypatch, capsys) -> None:
+    from goodput.calculator.advise import rescued
+
+    run = _advised_run(tmp_path, monkeypatch, [])
+    r = run_json(capsys, "advise", run, "--trials", "200")
+    assert r["rescue_probability"] == 0 and "no restarts" in r["rescue_source"]
+    assert r["interval_minutes"] == pytest.approx(
+        optimal_interval(0.3, mtbf_hours_from_afr(1024, 0.01), r["restart_seconds"] / 60)["interval_minutes"]
+    )
+    assert rescued("0" * 32, [])["rescue_source"].startswith("no attempt records (RUN is a run id")

@@ -7,6 +7,11 @@ because mixing minutes, hours and seconds is the usual way these estimates go wr
 Failure model shared by every function: GPUs fail independently, each at the same constant rate
 `afr` (failures per GPU-year: a rate, so above 1 is allowed), and any GPU failure interrupts the
 whole job. A job's failure rate is then proportional to its GPU count: `gpus * afr / 8760` per hour.
+
+Rescue checkpoints: when a data-parallel job keeps a surviving replica, a surviving rank writes the
+state of the last finished step without a collective. A fraction `rescue_probability` (p) of failures
+then loses one step (`step_seconds`: the step in flight, counted whole, an upper bound) instead of the
+work since the last save. p = 0 (the default) is a job without rescue.
 """
 
 from __future__ import annotations
@@ -78,6 +83,32 @@ def _commit_fits(interval_minutes: float, save_stall_seconds: float, commit_dela
         )
 
 
+def _probability(name: str, value: float) -> None:
+    _number(name, value)
+    if not 0 <= value <= 1:
+        raise InputError(name, f"must be between 0 and 1, got {value}")
+
+
+def _rescue(rescue_probability: float, step_seconds: float | None) -> None:
+    _probability("rescue_probability", rescue_probability)
+    if step_seconds is not None:
+        _positive("step_seconds", step_seconds)
+    elif rescue_probability > 0:  # a rescue's loss is one step: without its length there is no estimate
+        raise InputError(
+            "step_seconds", f"is required with --rescue-probability > 0 (got {rescue_probability:g})"
+        )
+
+
+def _step_fits(interval_minutes: float, save_stall_seconds: float, step_seconds: float | None) -> None:
+    # Saves come at step boundaries: an interval holds at least one step of work.
+    if step_seconds is not None and step_seconds > interval_minutes * 60 - save_stall_seconds:
+        raise InputError(
+            "step_seconds",
+            f"must fit in the interval: {step_seconds:g} s > the interval minus the stall "
+            f"({interval_minutes * 60 - save_stall_seconds:g} s)",
+        )
+
+
 def _restart_fits(restart_minutes: float, mtbf_hours: float) -> None:
     # A restart that outlasts the mean time between failures would mostly be interrupted itself.
     if restart_minutes / 60 >= mtbf_hours:
@@ -126,30 +157,55 @@ def interruptions_per_day_from_afr(gpus: int, afr: float) -> float:
     return gpus * afr / DAYS_PER_YEAR
 
 
+def lost_work_per_failure_seconds(
+    interval_minutes: float,
+    commit_delay_seconds: float = 0.0,
+    rescue_probability: float = 0.0,
+    step_seconds: float | None = None,
+) -> float:
+    """Work redone per failure, first order: (1 - p) * (M*60/2 + D) + p * step_seconds.
+
+    Without a rescue a failure lands uniformly inside an interval, so half an interval is redone,
+    plus D (a failure in the D seconds after a stall falls back to the save before); a rescued one
+    (probability p) loses one step and no commit delay: the rescue holds the newer state.
+    """
+    regular = interval_minutes * 60 / 2 + commit_delay_seconds
+    if rescue_probability == 0:
+        return regular
+    return (1 - rescue_probability) * regular + rescue_probability * step_seconds
+
+
 def goodput(
     interruptions_per_day: float,
     interval_minutes: float,
     save_stall_seconds: float = 0.0,
     restart_minutes: float = 0.0,
     commit_delay_seconds: float = 0.0,
+    *,
+    rescue_probability: float = 0.0,
+    step_seconds: float | None = None,
 ) -> dict[str, float]:
-    """First-order goodput = 1 - (R*(M/2 + D/60)/60 + R*T/60 + (1440/M)*C/3600) / 24, clamped at 0.
+    """First-order goodput = 1 - (R*L/3600 + R*T/60 + (1440/M)*C/3600) / 24, clamped at 0.
 
     R interruptions/day, M minutes from one save's start to the next, C seconds of stall per save,
     T minutes per restart, D seconds from the end of a stall until that save is committed (an async
-    upload). A failure lands uniformly inside an interval, so half an interval is redone, plus D: a
-    failure in the D seconds after a stall falls back to the save before. Exact only while failures
-    are rare within an interval (R*M << 1440); `renewal_goodput` is exact for D = 0.
+    upload), L = `lost_work_per_failure_seconds` (M*60/2 + D without rescue). Exact only while
+    failures are rare within an interval (R*M << 1440); `renewal_goodput` is exact for D = 0, p = 0.
     """
     _non_negative("interruptions_per_day", interruptions_per_day)
     _positive("interval_minutes", interval_minutes)
     _non_negative("save_stall_seconds", save_stall_seconds)
     _non_negative("restart_minutes", restart_minutes)
+    _rescue(rescue_probability, step_seconds)
     _interval_fits(interval_minutes, save_stall_seconds)
     _commit_fits(interval_minutes, save_stall_seconds, commit_delay_seconds)
+    _step_fits(interval_minutes, save_stall_seconds, step_seconds)
     if interruptions_per_day > 0:
         _restart_fits(restart_minutes, 24 / interruptions_per_day)
-    lost = interruptions_per_day * (interval_minutes / 2 + commit_delay_seconds / 60) / 60
+    per_failure = lost_work_per_failure_seconds(
+        interval_minutes, commit_delay_seconds, rescue_probability, step_seconds
+    )
+    lost = interruptions_per_day * per_failure / 3600
     restart = interruptions_per_day * restart_minutes / 60
     stall = (1440 / interval_minutes) * save_stall_seconds / 3600
     return {
@@ -193,22 +249,36 @@ def optimal_interval(
     mtbf_hours: float,
     restart_minutes: float = 0.0,
     commit_delay_seconds: float = 0.0,
-) -> dict[str, float]:
-    """Young/Daly: T = sqrt(2*C*MTBF); goodput = 1 - C/T - (T/2 + D + restart)/MTBF, clamped to [0, 1].
+    *,
+    rescue_probability: float = 0.0,
+    step_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Young/Daly: T = sqrt(2*C*MTBF / (1 - p)); goodput = 1 - C/T - (L(T) + restart)/MTBF, in [0, 1].
 
-    A commit delay D costs the same per failure at any interval, so it does not move the optimum.
+    L(T) = `lost_work_per_failure_seconds`: only the (1 - p) unrescued failures pay half an interval,
+    so the optimum grows by 1/sqrt(1 - p). A commit delay D, and a rescue's one step, cost the same per
+    failure at any interval, so they do not move it. At p = 1 failures set no interval (every one
+    costs a step however rarely the job saves): `interval_minutes` is None, `note` says why, and the
+    goodput is the limit of no save stall.
     """
     _non_negative("save_stall_seconds", save_stall_seconds)
     _positive("mtbf_hours", mtbf_hours)
     _non_negative("restart_minutes", restart_minutes)
     _non_negative("commit_delay_seconds", commit_delay_seconds)
+    _rescue(rescue_probability, step_seconds)
     _restart_fits(restart_minutes, mtbf_hours)
     # Work in seconds throughout so C, T and MTBF share a unit.
     c = save_stall_seconds
     mtbf = mtbf_hours * 3600
-    t = math.sqrt(2 * c * mtbf)
+    restart = restart_minutes * 60
+    if rescue_probability == 1:
+        g = 1.0 - (step_seconds + restart) / mtbf
+        note = "every failure is rescued (p = 1) and loses one step at any interval"
+        return {"interval_minutes": None, "goodput": min(1.0, max(0.0, g)), "note": note}
+    t = math.sqrt(2 * c * mtbf / (1 - rescue_probability))
     stall_fraction = c / t if t > 0 else 0.0  # free checkpoints: save continuously, lose nothing
-    g = 1.0 - stall_fraction - (t / 2 + commit_delay_seconds + restart_minutes * 60) / mtbf
+    lost = lost_work_per_failure_seconds(t / 60, commit_delay_seconds, rescue_probability, step_seconds)
+    g = 1.0 - stall_fraction - (lost + restart) / mtbf
     return {"interval_minutes": t / 60, "goodput": min(1.0, max(0.0, g))}
 
 

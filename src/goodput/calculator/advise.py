@@ -1,4 +1,5 @@
-"""What a finished run measured, for `advise`: its save stall, commit delay and restart cost."""
+"""What a finished run measured, for `advise`: its save stall, commit delay, restart cost, step time
+and how often a restart resumed from a rescue checkpoint."""
 
 from __future__ import annotations
 
@@ -85,8 +86,26 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
     return out
 
 
+def rescued(run: str, records: list[dict]) -> dict[str, float | int | str]:
+    """The share of restarts that resumed from a rescue checkpoint, from the attempt records'
+    `resumed_kind`: restarts are the attempts after the first (number 0: a record moved aside keeps its
+    number taken, so the count cannot shift). A restart saying nothing (an older record, or one with no
+    checkpoint to resume) counts as not rescued. No records or no restarts: 0, and the source says so."""
+    restarts = [r for r in records if r["attempt"] > 0]
+    n = sum(r.get("resumed_kind") == "rescue" for r in restarts)
+    if not _is_dir(run):
+        source = "no attempt records (RUN is a run id, not its checkpoint dir): 0 assumed"
+    elif not restarts:
+        source = "attempt records: no restarts, 0 assumed"
+    else:
+        source = f"attempt records: {n} of {len(restarts)} restarts resumed from a rescue checkpoint"
+    p = n / len(restarts) if restarts else 0.0
+    return {"rescue_probability": p, "rescue_restarts": len(restarts), "rescue_source": source}
+
+
 def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
-    """The run's median save stall, its median delay from stall end to commit, its restart cost."""
+    """The run's median save stall, its median delay from stall end to commit, its restart cost, its
+    mean productive seconds per step (what a rescued failure loses) and its rescue probability."""
     from mlflow.tracking import MlflowClient
 
     rid = run_id(run)
@@ -106,5 +125,8 @@ def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
         raise InputError("run", f"run {rid} logged no goodput/* ledger (did it finish?)")
     # The ledger is logged once at the end, at the step count the run reached.
     steps = max(m.step for m in client.get_metric_history(rid, "goodput/productive_seconds"))
+    step_s = metrics.get("goodput/productive_seconds", 0.0) / steps if steps > 0 else None
+    records = attempts(run)
     return {"run_id": rid, "save_stall_seconds": stall, "commit_delay_seconds": commit, "steps": steps,
-            **restart_cost(metrics, steps, attempts(run))}  # fmt: skip
+            "productive_step_seconds": step_s, **restart_cost(metrics, steps, records),
+            **rescued(run, records)}  # fmt: skip

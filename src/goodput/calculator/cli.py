@@ -5,6 +5,8 @@ python -m goodput.calculator failure --gpus 4096 --days 30 --cluster-gpus 608 --
 python -m goodput.calculator goodput --interruptions-per-day 8.6 --interval-minutes 30
 python -m goodput.calculator optimal-interval --save-stall-seconds 2 --mtbf-hours 24
 python -m goodput.calculator simulate --gpus 4096 --afr 0.01 --save-stall-seconds 0.1 --restart-seconds 9
+python -m goodput.calculator simulate --gpus 4096 --afr 0.01 --save-stall-seconds 0.1 --restart-seconds 9 \
+    --rescue-probability 0.9 --step-seconds 2
 python -m goodput.calculator advise outputs/checkpoints/demo --gpus 1024 --afr 0.01
 python -m goodput.calculator plan-table --afr 0.01 --restart-seconds 9 2
 python -m goodput.calculator tables
@@ -13,6 +15,8 @@ A failure rate is given once, in one of these forms: the job's own (--interrupti
 --mtbf-hours), or per GPU with --gpus: --afr (failures per GPU-year, any rate >= 0) or a cluster's
 measurement (--cluster-gpus with --cluster-mtbf-hours or --cluster-interruptions-per-day). Per-GPU
 rates assume GPUs fail independently at one rate, so a job's rate is proportional to its GPU count.
+With --rescue-probability P (and --step-seconds S), a share P of failures is rescued by a surviving
+replica and loses one step: lost work per failure = (1 - P) * interval/2 + P * S.
 Installed, `goodput-plan` is the same command.
 """
 
@@ -56,6 +60,28 @@ def _commit_arg(p: argparse.ArgumentParser) -> None:
         "--commit-delay-seconds", type=float, default=0.0,
         help="from the end of a save's stall until it is committed (an async upload; default 0)",
     )  # fmt: skip
+
+
+def _rescue_args(p: argparse.ArgumentParser, default: str = "0") -> None:
+    p.add_argument(
+        "--rescue-probability", type=float,
+        help=f"share of failures a surviving replica rescues, losing one step (0..1; default {default})",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-seconds", type=float, help="seconds per training step: what a rescued failure loses"
+    )
+
+
+def _rescue(a: argparse.Namespace) -> dict[str, Any]:
+    """The rescue keywords of the closed forms and the simulation; checked there, naming the flags."""
+    return {"rescue_probability": a.rescue_probability or 0.0, "step_seconds": a.step_seconds}
+
+
+def _rescue_line(p: float, step: float | None, per_failure: float, indent: str = "") -> list[str]:
+    if not p:  # without rescue the output stays as it was
+        return []
+    return [f"{indent}Rescue checkpoints: {p:.1%} of failures lose one {step:g} s step instead of the work "
+            f"since the last save: {per_failure:.4g} s lost per failure (closed form)"]  # fmt: skip
 
 
 def _restart_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +208,7 @@ def _goodput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-stall-seconds", type=float, default=0.0, help="training paused per save")
     _commit_arg(p)
     _restart_args(p)
+    _rescue_args(p)
     _rate_args(p)
     _json_flag(p)
 
@@ -189,22 +216,27 @@ def _goodput_args(p: argparse.ArgumentParser) -> None:
 def _goodput(a: argparse.Namespace) -> Result:
     rate = _rate(a)
     restart = _restart_minutes(a)
+    rescue = _rescue(a)
     args = (rate.interruptions_per_day, a.interval_minutes, a.save_stall_seconds, restart)
-    r = calc.goodput(*args, commit_delay_seconds=a.commit_delay_seconds)
-    exact = calc.renewal_goodput(*args) if a.commit_delay_seconds == 0 else None
+    r = calc.goodput(*args, commit_delay_seconds=a.commit_delay_seconds, **rescue)
+    # The renewal form knows neither a commit delay nor a rescue.
+    plain = a.commit_delay_seconds == 0 and rescue["rescue_probability"] == 0
+    exact = calc.renewal_goodput(*args) if plain else None
     exact_text = "" if exact is None else f"; exact for Poisson failures: {exact:.1%}"
-    text = "\n".join(rate.lines + [
+    per_failure = calc.lost_work_per_failure_seconds(a.interval_minutes, a.commit_delay_seconds, **rescue)
+    text = "\n".join(rate.lines + _rescue_line(*rescue.values(), per_failure) + [
         f"Goodput {r['goodput']:.1%}: {r['lost_hours_per_day']:.2f} h/day recomputed, "
         f"{r['restart_hours_per_day']:.2f} h/day restarting, {r['stall_hours_per_day']:.2f} h/day saving "
         f"(first order{exact_text})"
     ])  # fmt: skip
-    return {**r, "renewal_goodput": exact, **rate.payload()}, text
+    return {**r, "renewal_goodput": exact, **rescue, **rate.payload()}, text
 
 
 def _optimal_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-stall-seconds", type=float, required=True, help="training paused per save")
     _commit_arg(p)
     _restart_args(p)
+    _rescue_args(p)
     _rate_args(p)
     _json_flag(p)
 
@@ -213,13 +245,18 @@ def _optimal(a: argparse.Namespace) -> Result:
     rate = _rate(a, required="mtbf_hours")
     if rate.interruptions_per_day == 0:
         raise InputError(rate_flag(a), "gives no failures: there is no interval to trade against")
+    rescue = _rescue(a)
     r = calc.optimal_interval(
-        a.save_stall_seconds, rate.mtbf_hours, _restart_minutes(a), a.commit_delay_seconds
+        a.save_stall_seconds, rate.mtbf_hours, _restart_minutes(a), a.commit_delay_seconds, **rescue
     )
-    text = "\n".join(rate.lines + [
-        f"Checkpoint every {r['interval_minutes']:.3g} min (Young/Daly) for goodput {r['goodput']:.1%}"
-    ])  # fmt: skip
-    return {**r, **rate.payload()}, text
+    return {**r, **rescue, **rate.payload()}, "\n".join(rate.lines + [_interval_text(r)])
+
+
+def _interval_text(r: dict[str, Any]) -> str:
+    if r["interval_minutes"] is None:  # p = 1: every failure costs one step whatever the interval
+        return (f"Young/Daly sets no interval: {r['note']}; goodput {r['goodput']:.1%} (save as often as "
+                "a failure no replica survives, a whole-job loss, can afford)")  # fmt: skip
+    return f"Checkpoint every {r['interval_minutes']:.3g} min (Young/Daly) for goodput {r['goodput']:.1%}"
 
 
 def rate_flag(a: argparse.Namespace) -> str:
@@ -260,27 +297,39 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-stall-seconds", type=float, default=0.0, help="training paused per save")
     _commit_arg(p)
     _restart_args(p)
+    _rescue_args(p)
     _rate_args(p)
     _sim_args(p)
     _json_flag(p)
 
 
-def _recommended(stall: float, rate: Rate, restart: float) -> float:
+def _recommended(stall: float, rate: Rate, restart: float, rescue: dict[str, Any] | None = None) -> float:
     if rate.interruptions_per_day == 0:
         raise InputError("interval_minutes", "is required when there are no failures")
     if stall == 0:
         raise InputError("interval_minutes", "is required when saves are free (Young/Daly says: always)")
-    return calc.optimal_interval(stall, rate.mtbf_hours, restart)["interval_minutes"]
+    r = calc.optimal_interval(stall, rate.mtbf_hours, restart, **(rescue or {}))
+    if r["interval_minutes"] is None:
+        raise InputError(
+            "interval_minutes", "is required when every failure is rescued (Young/Daly sets none)"
+        )
+    return r["interval_minutes"]
 
 
 def _run_simulation(
-    a: argparse.Namespace, rate: Rate, interval: float, stall: float, restart: float, commit: float
+    a: argparse.Namespace,
+    rate: Rate,
+    interval: float,
+    stall: float,
+    restart: float,
+    commit: float,
+    rescue: dict[str, Any] | None = None,
 ) -> dict:
     from goodput.calculator.simulate import simulate
 
     return simulate(rate.interruptions_per_day, interval, stall, restart, days=a.days, gpus=rate.gpus or 1,
                     trials=a.trials, seed=a.seed, weibull_shape=a.weibull_shape,
-                    commit_delay_seconds=commit)  # fmt: skip
+                    commit_delay_seconds=commit, **(rescue or {}))  # fmt: skip
 
 
 def _sim_text(s: dict) -> list[str]:
@@ -291,6 +340,7 @@ def _sim_text(s: dict) -> list[str]:
         f"failures, {s['failures_mean']:.3g} failures per job on average), checkpoint every "
         f"{s['interval_minutes']:.3g} min, {s['save_stall_seconds']:.3g} s stall, "
         f"{s['restart_seconds']:.3g} s restart, {s['commit_delay_seconds']:.3g} s from stall to commit:",
+        *_rescue_line(s["rescue_probability"], s["step_seconds"], s["lost_work_per_failure_seconds"], "  "),
         f"  goodput     mean {s['goodput_mean']:.3%} (± {s['goodput_sem']:.3%} std error)   "
         f"p10 {s['goodput_p10']:.3%}   p50 {s['goodput_p50']:.3%}   p90 {s['goodput_p90']:.3%}",
         f"  GPU-hours lost{per}   mean {s['lost_gpu_hours_mean']:,.0f}   "
@@ -313,12 +363,13 @@ def _simulate(a: argparse.Namespace) -> Result:
     _check_sim(a)
     rate = _rate(a)
     restart = _restart_minutes(a)
+    rescue = _rescue(a)
     interval = a.interval_minutes
     lines = list(rate.lines)
     if interval is None:
-        interval = _recommended(a.save_stall_seconds, rate, restart)
+        interval = _recommended(a.save_stall_seconds, rate, restart, rescue)
         lines.append(f"Young/Daly interval for a {a.save_stall_seconds:g} s stall: {interval:.3g} min")
-    s = _run_simulation(a, rate, interval, a.save_stall_seconds, restart, a.commit_delay_seconds)
+    s = _run_simulation(a, rate, interval, a.save_stall_seconds, restart, a.commit_delay_seconds, rescue)
     return {**s, **rate.payload(), "gpus": s["gpus"]}, "\n".join(lines + _sim_text(s))
 
 
@@ -332,6 +383,7 @@ def _advise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tracking-uri", default=default_uri, help="default: $MLFLOW_TRACKING_URI or outputs/mlflow.db"
     )
+    _rescue_args(p, default="measured from the attempt records")
     _sim_args(p)
     _json_flag(p)
 
@@ -342,21 +394,49 @@ def _advise(a: argparse.Namespace) -> Result:
 
     _check_sim(a)
     rate = _rate(a, required="afr", default_afr=0.01)
+    if a.rescue_probability is not None:  # refused before the (slow) MLflow read
+        calc._probability("rescue_probability", a.rescue_probability)
+    if a.step_seconds is not None:
+        calc._positive("step_seconds", a.step_seconds)
     m = measured(a.run, a.tracking_uri)
     a.flag_for = {"restart_minutes": "run", "save_stall_seconds": "run", "interval_minutes": "run"}
     stall, restart, commit = m["save_stall_seconds"], m["restart_seconds"] / 60, m["commit_delay_seconds"]
     if rate.interruptions_per_day == 0:
         raise InputError(rate_flag(a), "gives no failures: there is no interval to trade against")
-    r = calc.optimal_interval(stall, rate.mtbf_hours, restart, commit)
-    s = _run_simulation(a, rate, r["interval_minutes"], stall, restart, commit)
+    rescue, source, rescue_text = _advise_rescue(a, m)
+    r = calc.optimal_interval(stall, rate.mtbf_hours, restart, commit, **rescue)
     text = [
         f"Run {m['run_id']}: median save stall {stall:.3f} s, committed {commit:.2f} s after it; "
         f"restart cost {m['restart_seconds']:.1f} s from {m['restart_source']}",
+        rescue_text,
         *rate.lines,
-        f"Checkpoint every {r['interval_minutes']:.1f} minutes (Young/Daly) for {r['goodput']:.2%} goodput",
-        *_sim_text(s),
     ]
-    return {**s, **rate.payload(), **m, **r}, "\n".join(text)
+    out = {**rate.payload(), **m, **r, **rescue, "rescue_source": source}
+    if r["interval_minutes"] is None:  # every restart rescued: no interval to simulate at
+        return out, "\n".join([*text, _interval_text(r)])
+    s = _run_simulation(a, rate, r["interval_minutes"], stall, restart, commit, rescue)
+    text.append(
+        f"Checkpoint every {r['interval_minutes']:.1f} minutes (Young/Daly) for {r['goodput']:.2%} goodput"
+    )
+    return {**s, **out}, "\n".join(text + _sim_text(s))
+
+
+def _advise_rescue(a: argparse.Namespace, m: dict[str, Any]) -> tuple[dict[str, Any], str, str]:
+    """The rescue probability (--rescue-probability, else the attempt records') and the step time
+    (--step-seconds, else the run's mean productive seconds per step), whence p came, and a line."""
+    p, source = m["rescue_probability"], m["rescue_source"]
+    if a.rescue_probability is not None:  # an explicit value overrides the measured one
+        p, source = a.rescue_probability, f"--rescue-probability (measured {p:.3g}: {source})"
+    step, step_source = a.step_seconds, "--step-seconds"
+    if step is None:
+        step, step_source = m["productive_step_seconds"], "the run's mean productive seconds per step"
+    # A measured step time only matters with a rescue: at p = 0 the output stays as it was.
+    rescue = {"rescue_probability": p, "step_seconds": step if p > 0 else a.step_seconds}
+    calc._rescue(**rescue)
+    text = f"Rescue probability {p:.3g} from {source}"
+    if p > 0:
+        text += f"; a rescue loses one {step:.3g} s step ({step_source})"
+    return rescue, source, text
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,11 @@ failures and no commit delay):
   saves that had not committed yet), then the job pays `restart_minutes` before computing again;
   a failure during the restart starts the restart over. Every restart resumes from a committed
   save, so segments restart in phase.
+- Rescue checkpoints: with probability `rescue_probability`, drawn per failure, a surviving rank
+  saves the last finished step instead: the failure loses one step (`step_seconds`, the step in
+  flight counted whole; never more than the time since the last save, which the rescue is newer
+  than) and no commit delay. The restart then resumes in phase as well, as if the rescue were a
+  save: a simplification that skips at most one save's stall per rescued failure.
 - At the window's end the work done since the last save counts as done (the window is a slice of a
   longer job that carries on), a save in progress counts as stall.
 goodput = compute that survives / window; lost GPU-hours = gpus * (window - surviving compute).
@@ -36,8 +41,11 @@ from goodput.calculator import (
     _interval_fits,
     _non_negative,
     _positive,
+    _rescue,
     _restart_fits,
+    _step_fits,
     goodput,
+    lost_work_per_failure_seconds,
     renewal_goodput,
 )
 
@@ -51,8 +59,10 @@ def _gaps(rng: np.random.Generator, shape: tuple[int, int], mean: float, weibull
     return rng.weibull(weibull, shape) * (mean / math.gamma(1 + 1 / weibull))
 
 
-def _trials(rng, n: int, horizon: float, lam: float, a: float, c: float, r: float, d: float, weibull):
-    """Per trial: surviving compute, redone work, restart time, save stall (seconds), failures."""
+def _trials(rng, n: int, horizon: float, lam: float, a: float, c: float, r: float, d: float, weibull,
+            rescue: tuple[float, float, np.random.Generator] | None = None):  # fmt: skip
+    """Per trial: surviving compute, redone work, restart time, save stall (seconds), failures.
+    `rescue`: (probability, step seconds, the generator that draws which failures are rescued)."""
     if lam == 0:
         full, rem = divmod(horizon, a)
         useful = full * (a - c) + min(rem, a - c)
@@ -76,9 +86,15 @@ def _trials(rng, n: int, horizon: float, lam: float, a: float, c: float, r: floa
     committed = np.floor(np.maximum(x - d, 0.0) / a)  # ... and those also committed
     work = a - c
     kept = np.where(failed, committed, done)  # at the window's end the job carries on: nothing lost
-    useful = kept * work + np.where(failed, 0.0, np.minimum(rem, work))
-    stall = kept * c + np.where(failed, 0.0, np.maximum(rem - work, 0.0))
-    redone = np.where(failed, x - kept * a, 0.0)
+    tail = np.where(failed, 0.0, rem)  # what survives after the last kept save
+    if rescue is not None:
+        p, step, draws = rescue
+        rescued = failed & (draws.random(x.shape) < p)
+        kept = np.where(rescued, done, kept)  # the rescue is newer than any save, committed or not
+        tail = np.where(rescued, rem - np.minimum(step, rem), tail)
+    useful = kept * work + np.minimum(tail, work)
+    stall = kept * c + np.maximum(tail - work, 0.0)
+    redone = np.where(failed, x - kept * a - tail, 0.0)
     return useful.sum(1), redone.sum(1), restarting.sum(1), stall.sum(1), failed.sum(1)
 
 
@@ -94,6 +110,8 @@ def simulate(
     seed: int = 0,
     weibull_shape: float | None = None,
     commit_delay_seconds: float = 0.0,
+    rescue_probability: float = 0.0,
+    step_seconds: float | None = None,
 ) -> dict[str, float]:
     """Distribution of goodput and lost GPU-hours over `trials` seeded runs of the model above."""
     _non_negative("interruptions_per_day", interruptions_per_day)
@@ -105,8 +123,10 @@ def simulate(
     _count("trials", trials)
     if weibull_shape is not None:
         _positive("weibull_shape", weibull_shape)
+    _rescue(rescue_probability, step_seconds)
     _interval_fits(interval_minutes, save_stall_seconds)
     _commit_fits(interval_minutes, save_stall_seconds, commit_delay_seconds)
+    _step_fits(interval_minutes, save_stall_seconds, step_seconds)
     if interruptions_per_day > 0:
         _restart_fits(restart_minutes, 24 / interruptions_per_day)
     horizon = days * 86400
@@ -121,17 +141,22 @@ def simulate(
         )
     batch = max(1, min(trials, int(_CELLS / per_trial)))
     rng = np.random.default_rng(seed)
-    parts = [_trials(rng, min(batch, trials - i), horizon, lam, a, c, r, commit_delay_seconds, weibull_shape)
-             for i in range(0, trials, batch)]  # fmt: skip
+    # Rescues drawn from a stream of their own: the same seed gives the same failure times at any p.
+    rescue = (
+        (rescue_probability, step_seconds, np.random.default_rng([seed, 1])) if rescue_probability else None
+    )
+    parts = [_trials(rng, min(batch, trials - i), horizon, lam, a, c, r, commit_delay_seconds, weibull_shape,
+                     rescue) for i in range(0, trials, batch)]  # fmt: skip
     useful, redone, restarting, stall, failures = (np.concatenate(p) for p in zip(*parts))
     g = useful / horizon
     lost_gpu_hours = gpus * (horizon - useful) / 3600
     gp = np.percentile(g, [10, 50, 90])
     lp = np.percentile(lost_gpu_hours, [10, 50, 90])
     args = (interruptions_per_day, interval_minutes, save_stall_seconds, restart_minutes)
-    closed = goodput(*args, commit_delay_seconds=commit_delay_seconds)
-    # The renewal form has no commit delay (a failure in it reaches back two segments).
-    exact = renewal_goodput(*args) if commit_delay_seconds == 0 else None
+    rescue_args = {"rescue_probability": rescue_probability, "step_seconds": step_seconds}
+    closed = goodput(*args, commit_delay_seconds=commit_delay_seconds, **rescue_args)
+    # The renewal form has no commit delay (a failure in it reaches back two segments) and no rescue.
+    exact = renewal_goodput(*args) if commit_delay_seconds == 0 and rescue_probability == 0 else None
     mean = float(g.mean())
     return {
         "goodput_mean": mean,
@@ -149,6 +174,9 @@ def simulate(
         "restart_hours_mean": float(restarting.mean() / 3600),
         "stall_hours_mean": float(stall.mean() / 3600),
         "closed_form_goodput": closed["goodput"],
+        "lost_work_per_failure_seconds": lost_work_per_failure_seconds(
+            interval_minutes, commit_delay_seconds, rescue_probability, step_seconds
+        ),
         "closed_form_difference": mean - closed["goodput"],
         "renewal_goodput": exact,
         "renewal_difference": None if exact is None else mean - exact,
@@ -157,6 +185,8 @@ def simulate(
         "save_stall_seconds": save_stall_seconds,
         "restart_seconds": r,
         "commit_delay_seconds": commit_delay_seconds,
+        "rescue_probability": rescue_probability,
+        "step_seconds": step_seconds,
         "days": days,
         "gpus": gpus,
         "trials": trials,

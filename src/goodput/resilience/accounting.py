@@ -26,6 +26,10 @@ from goodput.untrusted import RecordError, field, parse_record, set_aside
 log = logging.getLogger(__name__)
 _ATTEMPT = re.compile(r"([0-9]{4,})\.json")
 
+# What an attempt resumed from: a regular checkpoint, or a rescue checkpoint (the state of the last finished
+# step, written by a surviving rank without a collective); None for a first start or an older record.
+RESUMED_KINDS = ("regular", "rescue", None)
+
 CATEGORIES = ("startup", "productive", "fetch", "checkpoint", "eval", "compile", "hung", "rescue")
 # hung: from a rank's last progress until the hang watchdog ended it (goodput.resilience.watchdog)
 # rescue: a failed attempt writing its last finished step (goodput.checkpoint.rescue)
@@ -147,9 +151,14 @@ class Attempts:
         self.path = None
         self._beating = None
 
-    def begin(self, resumed_from: int | None, start: float | None = None) -> int:
+    def begin(
+        self, resumed_from: int | None, start: float | None = None, *, resumed_kind: str | None = None
+    ) -> int:
         """Called once the attempt is ready to train; `start` is when its process started, and
-        `startup` (seconds until now) stays in the record should it crash before committing."""
+        `startup` (seconds until now) stays in the record should it crash before committing.
+        `resumed_kind` (one of RESUMED_KINDS) lets the planner measure how often a restart was rescued."""
+        if resumed_kind not in RESUMED_KINDS:
+            raise ValueError(f"resumed_kind must be one of {RESUMED_KINDS}, got {resumed_kind!r}")
         # Next after the highest number ever used (a record moved aside keeps its number taken).
         used = [int(m.group(1)) for k in self.storage.ls("attempts") if (m := _ATTEMPT.match(k))]
         n = max(used, default=-1) + 1
@@ -160,6 +169,7 @@ class Attempts:
             "start": start or now,
             "startup": now - (start or now),
             "resumed_from": resumed_from,
+            "resumed_kind": resumed_kind,
             "step": resumed_from or 0,
             "round": restart_round(),
         }
@@ -220,6 +230,11 @@ def check_attempt(data: bytes, name: str, number: int) -> dict:
     if field(rec, "resumed_from", (int, type(None)), what) is not None:
         field(rec, "resumed_from", int, what, minimum=0)
     field(rec, "last_seen", (int, float), what, default=0.0)
+    # read by goodput.calculator.advise (the measured rescue probability); absent in older records
+    if field(rec, "resumed_kind", (str, type(None)), what, default=None) not in RESUMED_KINDS:
+        raise RecordError(
+            f"{what}: 'resumed_kind' is {rec['resumed_kind']!r}, expected 'regular', 'rescue' or null"
+        )
     recovery = field(rec, "recovery", dict, what, default=None)
     if recovery is not None:  # read by goodput.resilience.recovery.summarize, copied to summary.json
         where = f"{what} recovery"
