@@ -381,3 +381,18 @@ def ckpt_dir(root, name: str = "smoke") -> Path:
         names = [p.name for p in found]
         raise AssertionError(f"expected one run named {name}[-<digest>] under {base}, found {names}")
     return found[0]
+
+
+class StochasticNet:
+    """`model._target_=helpers.StochasticNet.build`: a small CNN with what a rescue must put back
+    or re-derive: BatchNorm buffers (the forward changes them before the update) and dropout
+    (draws from the global RNG)."""
+
+    @staticmethod
+    def build(num_classes: int, width: int = 8, **_):
+        from torch import nn
+
+        return nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.Dropout(0.3),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+        )  # fmt: skip

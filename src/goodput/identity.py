@@ -123,6 +123,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("checkpoint.keep_best_mode", False, "which commit is kept"),
     ("checkpoint.on_error", False, "what a failed save does"),
     ("checkpoint.commit_timeout_s", False, "a timeout"),
+    ("checkpoint.rescue", False, "what a failure costs, not what is trained"),
+    ("checkpoint.rescue_timeout_s", False, "a timeout"),
     # optim
     ("optim.optimizer.*", True, "the optimizer: its class and every argument"),
     ("optim.schedule.*", True, "the LR schedule: its class and every argument"),
@@ -153,6 +155,7 @@ TABLE: list[tuple[str, bool, str]] = [
             "chaos_p",
             "chaos_seed",
             "kill_in_step",
+            "raise_at_step",
             "hang_at_step",
             "hang_rank",
             "hang_site",

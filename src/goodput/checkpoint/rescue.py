@@ -345,10 +345,11 @@ def newest_regular(store, below: int) -> int:
 
 
 def merge_metadata(parts: list):
-    """One DCP Metadata from the shards' own: each tensor's chunks united (a chunk two shards both
-    hold, a replicated tensor or a per-rank entry, kept once), each chunk's location from the first
-    shard holding it. Refuses shards that disagree on a tensor, and a tensor whose chunks do not
-    cover it (a missing shard)."""
+    """One DCP Metadata from the shards' own: each sharded tensor's chunks united (a chunk two shards
+    both hold kept once), a whole one (a buffer, the run's JSON parts, which may differ by a few
+    bytes between ranks: each keeps its own time ledger) from the first shard; each chunk's
+    location from the shard it was taken from. Refuses shards that disagree on a sharded tensor's
+    size or dtype, and a tensor whose chunks do not cover it (a missing shard)."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     from goodput.checkpoint.backends import CheckpointLoadError
@@ -362,11 +363,13 @@ def merge_metadata(parts: list):
             if have is None:
                 tensors[fqn] = TensorStorageMetadata(t.properties, t.size, list(t.chunks))
                 continue
+            if _whole(have):  # not sharded (a buffer, the run's JSON parts): the first shard's copy
+                continue
             if have.size != t.size or have.properties.dtype != t.properties.dtype:
                 raise CheckpointLoadError(f"rescue shards disagree on {fqn}: {have.size} vs {t.size}")
             seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
             have.chunks += [c for c in t.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen]
-        for index, where in (md.storage_data or {}).items():
+        for index, where in (md.storage_data or {}).items():  # in shard order: the first holder's
             storage.setdefault(index, where)
         for k, v in (md.planner_data or {}).items():
             planner.setdefault(k, v)
@@ -377,6 +380,10 @@ def merge_metadata(parts: list):
     first = parts[0]
     return Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage,
                     storage_meta=first.storage_meta, version=first.version)  # fmt: skip
+
+
+def _whole(t) -> bool:
+    return len(t.chunks) == 1 and tuple(t.chunks[0].sizes) == tuple(t.size)
 
 
 def _numel(size) -> int:

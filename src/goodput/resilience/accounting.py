@@ -235,6 +235,7 @@ def check_attempt(data: bytes, name: str, number: int) -> dict:
         raise RecordError(
             f"{what}: 'resumed_kind' is {rec['resumed_kind']!r}, expected 'regular', 'rescue' or null"
         )
+    field(rec, "rescued_over", int, what, default=0, minimum=0)  # summarize_rescues: steps saved
     recovery = field(rec, "recovery", dict, what, default=None)
     if recovery is not None:  # read by goodput.resilience.recovery.summarize, copied to summary.json
         where = f"{what} recovery"
@@ -245,6 +246,9 @@ def check_attempt(data: bytes, name: str, number: int) -> dict:
         field(recovery, "failure_source", str, where, default="")
         field(recovery, "rounds", int, where, default=1, minimum=1)
         field(recovery, "round", int, where, default=0, minimum=0)
+        field(recovery, "lost_steps", int, where, default=0, minimum=0)
+        if field(recovery, "resumed_kind", (str, type(None)), where, default=None) not in RESUMED_KINDS:
+            raise RecordError(f"{where}: 'resumed_kind' is {recovery['resumed_kind']!r}")
         _no_attempt(recovery, where)
     paid = field(rec, "compile", dict, what, default=None)
     if paid is not None:  # goodput.run.compiler.CompileClock.paid: summary.json's `compile`

@@ -68,10 +68,9 @@ class Goodput:
             # the restored ledger lacks the hangs detected after its save, and the rescues since
             hung = hung_seconds(self.faults.fired(), restored.get("time", 0.0) if restored else 0.0)
             rescued = rescue_seconds(self.rescues.records(), self.ledger.attempt)
-            restarts = self.attempts.begin(resumed, start=t_start)
-            if kind is not None:  # what the restart resumed from: a rescue, over which regular commit
-                self.attempts.record.update(resumed_kind=kind, rescued_over=restored.get("regular_step") or 0)
-                self.attempts.beat(resumed)
+            restarts = self.attempts.begin(resumed, start=t_start, resumed_kind=kind)
+            if kind == "rescue":  # the regular commit the restart would have used: summary's steps_saved
+                self.attempts.record["rescued_over"] = restored.get("regular_step", 0)
             info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung, rescued]
         if self.world > 1:
             dist.broadcast_object_list(info, src=0)

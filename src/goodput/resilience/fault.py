@@ -17,7 +17,7 @@ from goodput.untrusted import RecordError, field, parse_record, set_aside
 log = logging.getLogger(__name__)
 
 
-HANG_SITES = ("step", "collective", "storage_read", "storage_write", "dataloader")
+HANG_SITES = ("step", "collective", "storage_read", "storage_write", "dataloader", "update")
 _STORAGE_OPS = {"storage_read": ("read", "download"), "storage_write": ("write", "upload")}
 
 
@@ -56,6 +56,11 @@ class FaultConfig:
     """SIGKILL inside this step, between its first and second micro-batch (first attempt only;
     needs gradient accumulation, trainer.micro_batch_size): the half-accumulated step must be redone."""
 
+    raise_at_step: int | None = None
+    """Raise an error in this step on fault.rank, after its forward (first attempt only): the rank's
+    own failure, as a bad batch or an out-of-memory error would be, which leaves the process
+    alive (a rescue writes the step before)."""
+
     hang_at_step: int | None = None
     """Hang drill: from this step on, `hang_rank` stops making progress at `hang_site`, forever
     (once per run). Only the hang watchdog (trainer.hang_timeout_s) or a collective timeout
@@ -68,7 +73,8 @@ class FaultConfig:
     """Where: `step` (the main thread sleeps after the step), `collective` (it waits in a gloo
     receive no peer sends: stuck in C++), `storage_read` (inside the next read from the data
     root), `storage_write` (inside the next write to the checkpoint dir: the next save),
-    `dataloader` (a DataLoader worker stops inside a read; needs data.num_workers > 0)."""
+    `dataloader` (a DataLoader worker stops inside a read; needs data.num_workers > 0), `update`
+    (inside the optimizer update of the step after hang_at_step: no rescue may be written there)."""
 
     slow_rank: int | None = None
     """A straggler drill: this rank sleeps slow_seconds in every step (after the gradient sync, so
@@ -91,6 +97,8 @@ class FaultConfig:
             e.append(f"fault.slow_rank must be a rank >= 0 or null, got {self.slow_rank!r}")
         if self.slow_seconds < 0:
             e.append(f"fault.slow_seconds must be >= 0, got {self.slow_seconds}")
+        if self.raise_at_step is not None and self.raise_at_step < 1:
+            e.append(f"fault.raise_at_step must be >= 1 or null, got {self.raise_at_step}")
         if self.kill_in_step is not None and self.kill_in_step < 1:
             e.append(f"fault.kill_in_step must be >= 1 or null, got {self.kill_in_step}")
         if self.mtbf_seconds is not None and self.mtbf_seconds < 0:
@@ -113,6 +121,10 @@ class FaultConfig:
             raise ValueError("\n  - ".join(e))
 
 
+class InjectedFailure(RuntimeError):
+    """fault.raise_at_step: an error inside a step, from the drill."""
+
+
 class Faults:
     def __init__(
         self,
@@ -124,11 +136,12 @@ class Faults:
         kill_in_step=None,
         slow_rank=None,
         slow_seconds: float = 0.0,
+        raise_at_step=None,
     ):
         self.storage, self.rank, self.target_rank = storage, rank, target_rank
         self.slow_s = slow_seconds if slow_rank == rank else 0.0
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
-        self.kill_in_step = kill_in_step
+        self.kill_in_step, self.raise_at_step = kill_in_step, raise_at_step
         self._random_kill_at, self._attempt = None, 0
         self._chaos, self._chaos_p = None, 0.0
         self.step = 0
@@ -240,6 +253,21 @@ class Faults:
         if self.rank == self.target_rank and self.kill_in_step is not None and step + 1 == self.kill_in_step:
             self._fire(f"kill_in_step-{step + 1}")
         self.site("micro_step")
+
+    def after_forward(self, step: int) -> None:
+        """After the forward of the step after `step` (goodput.run.step): raise_at_step."""
+        due = self.raise_at_step is not None and step + 1 == self.raise_at_step
+        if due and self.rank == self.target_rank:
+            marker = f"faults/raise_at_step-{step + 1}.fired"
+            if not self.storage.exists(marker):
+                info = {"time": time.time(), "rank": self.rank, "attempt": self._attempt, "step": step}
+                self.storage.write_bytes(marker, json.dumps(info).encode())
+                raise InjectedFailure(f"fault injection: rank {self.rank} fails in step {step + 1}")
+
+    def in_update(self) -> None:
+        """Inside the optimizer update (goodput.run.step): the `update` hang site."""
+        if name := self._hang_due("update"):
+            self._hang("update", name)
 
     def site(self, name: str) -> None:
         """Chaos drills: at each named point (step, save, staged, upload, commit, retention) die with

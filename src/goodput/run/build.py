@@ -172,7 +172,7 @@ class Trainer:
         f = c.fault
         self.faults = Faults(
             self.ckpt_store, d.rank, f.kill_at_step, f.kill_during_save, f.rank, f.kill_in_step,
-            slow_rank=f.slow_rank, slow_seconds=f.slow_seconds,
+            slow_rank=f.slow_rank, slow_seconds=f.slow_seconds, raise_at_step=f.raise_at_step,
         )  # fmt: skip
         self.faults.arm_hang(f.hang_at_step, f.hang_site, f.hang_rank, f.hang_mtbf_seconds, f.max_hangs)
         self.ckpt.fault = self.faults
@@ -193,7 +193,7 @@ class Trainer:
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
-            updating=self.rescue.updating,
+            updating=self._updating, after_forward=self.faults.after_forward,
         )  # fmt: skip
         self.app.register(
             "step", self.step,
@@ -224,6 +224,12 @@ class Trainer:
             tr.profile_start_step, tr.profile_steps, ctx.run_dir, d.rank, d.device, self.tracker
         )
         self.tracker.log_dataset(dc.root, self.loader.files.fingerprint)
+
+    def _updating(self) -> None:
+        """The optimizer update starts: no rescue until the next boundary (the `update` hang drill
+        stops here, inside it)."""
+        self.rescue.updating()
+        self.faults.in_update()
 
     def eval_module(self) -> torch.nn.Module:
         """The module evaluation and export use (`trainer.eval_on`): the model or its EMA."""

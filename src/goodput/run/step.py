@@ -78,6 +78,7 @@ class Step:
         before_update=lambda: None,
         between_micro_steps=lambda step: None,
         updating=lambda: None,
+        after_forward=lambda step: None,
     ):
         self.model, self.forward = model, model
         self.optimizer, self.scheduler, self.strategy = optimizer, scheduler, strategy
@@ -91,6 +92,7 @@ class Step:
         self.has_buffers = any(True for _ in model.buffers())
         self.before_update, self.between_micro_steps = before_update, between_micro_steps
         self.updating = updating  # the parameters are about to change: no rescue until the next boundary
+        self.after_forward = after_forward  # fault drills: a failure inside the step
         self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
         self.last_grad_norm: torch.Tensor | None = None
         self._stepped = False  # whether the optimizer ran in this step (the scaler may skip it)
@@ -114,6 +116,8 @@ class Step:
                 with self.autocast():
                     out = self.forward(xm)
                 loss = self.criterion(out.float(), ym)  # the loss in fp32 whatever the compute dtype
+                if i == 0:
+                    self.after_forward(step)
                 if len(xs) > 1:  # each micro-batch's share of the batch mean
                     loss = loss * (len(ym) / len(y))
                 self.scaler.scale(loss).backward()

@@ -1,0 +1,332 @@
+"""Rescue checkpoints in-process: a failure inside a step writes the step before it (the loader's
+position, BatchNorm statistics and random streams put back to the boundary) and the relaunch ends
+on the uninterrupted run's model; the update window writes nothing; a rescue that runs out of time
+or is killed mid-write is never loaded; the store's one-winner claims; the records it leaves,
+checked as untrusted input. Through the entry point and the elastic agent: e2e/test_rescue_runs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+from helpers import ckpt_dir, make_app, manager, run_job_here
+
+from goodput.checkpoint import rescue as rescue_mod
+from goodput.checkpoint.commits import Commits
+from goodput.checkpoint.layout import COMMIT, is_rescue, newest_first, parse_step, step_dir
+from goodput.checkpoint.rescue import merge_metadata, write_shard
+from goodput.resilience.accounting import Rescues
+from goodput.resilience.fault import InjectedFailure
+from goodput.storage.remote import Storage
+
+# BatchNorm and dropout (helpers.StochasticNet), commits at 4, 8, 12 (experiment=smoke)
+NET = ["model._target_=helpers.StochasticNet.build", "model.width=8"]
+
+
+def test_rescue_dirs_parse_and_sort_after_the_regular_commit_of_their_step():
+    assert parse_step("step-000000073.rescue") == 73 and is_rescue("step-000000073.rescue")
+    for bad in (
+        "step-73.rescue",
+        "step-000000073.rescue.x",
+        "step-000000073-rescue",
+        "step-000000073.Rescue",
+    ):
+        assert parse_step(bad) is None and not is_rescue(bad)
+    names = ["step-000000050", "step-000000073.rescue", "step-000000073", "step-000000100.rescue"]
+    assert newest_first(names) == ["step-000000100.rescue", "step-000000073", "step-000000073.rescue",
+                                   "step-000000050"]  # fmt: skip
+
+
+def test_one_writer_wins_an_exclusive_create(tmp_path):
+    store = Storage(str(tmp_path / "store"))
+    wins = []
+
+    def claim(i):
+        wins.append(store.create_exclusive("step-000000007.rescue/claims/0.json", f"rank {i}".encode()))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(wins) == [False] * 7 + [True]
+    winner = store.read_bytes("step-000000007.rescue/claims/0.json")
+    assert winner.startswith(b"rank ")
+    assert os.listdir(tmp_path / "store/step-000000007.rescue/claims") == ["0.json"]  # no temp file left
+
+
+def test_an_exclusive_create_on_s3_is_a_conditional_put(s3_bucket):
+    store = Storage(f"s3://{s3_bucket}/ckpt")
+    assert store.create_exclusive("claims/0.json", b"a")
+    assert not store.create_exclusive("claims/0.json", b"b")
+    assert store.read_bytes("claims/0.json") == b"a"
+
+
+def test_an_own_error_rescues_the_step_before_and_the_relaunch_is_exact(tmp_path, one_process):
+    ref, _ = run_job_here(tmp_path / "ref", *NET)
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path / "a", *NET, "fault.raise_at_step=7")
+    d = ckpt_dir(tmp_path / "a")
+    rec = Commits(Storage(str(d))).committed()[0]
+    assert rec["dir"] == "step-000000006.rescue" and rec["kind"] == "rescue" and rec["rescued_by"] == [0]
+    assert rec["regular_step"] == 4
+    s, _ = run_job_here(tmp_path / "a", *NET, "fault.raise_at_step=7")
+    assert s["resumed_from_steps"] == [6]
+    assert s["model_sha256"] == ref["model_sha256"]  # BatchNorm statistics and dropout put back
+    assert s["sample_order_sha256"] == ref["sample_order_sha256"]  # the loader's position too
+    assert s["rescues"]["count"] == 1 and s["rescues"]["steps_saved"] == 2
+    assert s["recovery"]["per_restart"] == [] or all(
+        r["lost_steps"] <= 1 for r in s["recovery"]["per_restart"]
+    )
+    # off: the failure costs the steps since the last commit
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path / "b", *NET, "fault.raise_at_step=7", "checkpoint.rescue=false")
+    s, _ = run_job_here(tmp_path / "b", *NET, "fault.raise_at_step=7", "checkpoint.rescue=false")
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
+
+
+def test_a_rescue_without_the_boundarys_buffers_would_be_caught(tmp_path, one_process, monkeypatch):
+    """The negative control of the test above: a rescue that writes the live BatchNorm statistics
+    (changed by the failed step's forward) resumes to another model."""
+    ref, _ = run_job_here(tmp_path / "ref", *NET)
+    monkeypatch.setattr(rescue_mod.Rescue, "boundary", _boundary_without_buffers)
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path / "a", *NET, "fault.raise_at_step=7")
+    s, _ = run_job_here(tmp_path / "a", *NET, "fault.raise_at_step=7")
+    assert s["resumed_from_steps"] == [6] and s["model_sha256"] != ref["model_sha256"]
+
+
+_BOUNDARY = rescue_mod.Rescue.boundary
+
+
+def _boundary_without_buffers(self, step):
+    _BOUNDARY(self, step)
+    self._buffers = []  # nothing to put back: the live statistics are written
+
+
+def test_a_rescue_that_runs_out_of_time_is_never_loaded(tmp_path, one_process, monkeypatch):
+    slow_put = rescue_mod._put
+
+    def put(*a):
+        import time
+
+        time.sleep(3)
+        return slow_put(*a)
+
+    monkeypatch.setattr(rescue_mod, "_put", put)
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path, *NET, "fault.raise_at_step=7", "checkpoint.rescue_timeout_s=1")
+    records = Rescues(Storage(str(ckpt_dir(tmp_path)))).records()
+    assert [r["outcome"] for r in records] == ["timed_out"]
+    monkeypatch.setattr(rescue_mod, "_put", slow_put)
+    s, _ = run_job_here(tmp_path, *NET, "fault.raise_at_step=7")
+    assert s["resumed_from_steps"] == [4] and s["rescues"]["failures"] == 1
+
+
+def test_inside_the_update_nothing_is_written(tmp_path):
+    app, _, _ = make_app(0)
+    store = Storage(str(tmp_path / "ckpt"))
+    from goodput.parallel import DDP
+
+    r = rescue_mod.Rescue(True, 5.0, store, str(tmp_path / "staging"), 0, 2, DDP(), app,
+                          app.rank_parts["rng"], app.model, lambda: {})  # fmt: skip
+    app.register("data", _Position())
+    r.boundary(3)
+    r.boundary(4)
+    r.updating()
+    out = r.write("a peer died")
+    assert out["outcome"] == "in_update" and out["step"] is None
+    assert not [n for n in store.ls() if parse_step(n) is not None]
+
+
+class _Position:
+    def state_dict(self):
+        return {"step": 0}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _rescue_commit(tmp_path, d, n_shards=1, step=6):
+    """A real rescue of make_app's state: shard 0 of `n_shards` (no collective), as one survivor
+    writes it. Returns the checkpoint dir's Storage."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", d)
+    store = mgr.storage
+    out = write_shard(store, str(tmp_path / "staging"), step, 0, n_shards, 0, 2,
+                      app.state_dict(StateDictOptions()), lambda: mgr.fields(app))  # fmt: skip
+    return store, out
+
+
+def test_a_rescue_commits_and_restores_like_any_commit(tmp_path, dist1):
+    store, out = _rescue_commit(tmp_path, dist1)
+    assert out == {"outcome": "committed"}
+    rec = Commits(store).committed()[0]
+    assert rec["dir"] == "step-000000006.rescue" and Commits(store).verify(rec, local=False) is None
+    app, counter, _ = make_app(1)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    got, skipped = mgr.restore(app, [rec])
+    ref, ref_counter, _ = make_app(0)
+    assert got["step"] == 6 and not skipped and counter.n == ref_counter.n == 0
+    for (k, a), b in zip(app.model.state_dict().items(), ref.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    # a second survivor finds it committed and writes nothing
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    again = write_shard(store, str(tmp_path / "staging2"), 6, 0, 1, 1, 2, app.state_dict(StateDictOptions()),
+                        lambda: {})  # fmt: skip
+    assert again == {"outcome": "already_committed"}
+
+
+def test_a_rescue_missing_a_shard_is_never_committed_nor_loaded(tmp_path, dist1):
+    """fsdp's one copy is spread over its ranks: a rescue with one of two shards written (the other
+    rank died) stays uncommitted, and the next start removes it."""
+    store, out = _rescue_commit(tmp_path, dist1, n_shards=2)
+    assert out == {"outcome": "written"}
+    assert not store.exists(f"{step_dir(6, rescue=True)}/{COMMIT}") and Commits(store).committed() == []
+    manager(tmp_path, "dcp_sync", dist1).clean_incomplete()
+    assert not store.exists(step_dir(6, rescue=True))
+
+
+def test_a_rescue_killed_mid_write_is_never_loaded(tmp_path, dist1):
+    from midwrite import kill_inside_the_write
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, _, _ = make_app(0)
+    mgr.save(4, app)
+    mgr.wait()
+    remote = str(tmp_path / "remote")
+    sd = app.state_dict(StateDictOptions())  # here: torch in a forked child may wait on a dead thread
+
+    def rescue():
+        write_shard(Storage(remote), str(tmp_path / "staging"), 6, 0, 1, 0, 2, sd, lambda: mgr.fields(app))
+
+    kill_inside_the_write(rescue, remote)
+    assert os.path.isdir(os.path.join(remote, step_dir(6, rescue=True)))  # it got as far as the store
+    assert [r["step"] for r in Commits(Storage(remote)).committed()] == [4]
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"kind": "regular"}, "kind 'regular' does not match"),
+        ({"kind": "urgent"}, "kind 'urgent' does not match"),
+        ({"rescued_by": []}, "bad rescued_by"),
+        ({"rescued_by": [2]}, "bad rescued_by"),
+        ({"rescued_by": ["0"]}, "bad rescued_by"),
+        ({"rescued_by": None}, "bad rescued_by"),
+        ({"regular_step": 6}, "bad regular_step"),
+        ({"regular_step": -1}, "bad regular_step"),
+        ({"regular_step": "4"}, "bad regular_step"),
+    ],
+)
+def test_a_malformed_rescue_commit_is_refused_naming_the_file(tmp_path, dist1, caplog, change, why):
+    store, _ = _rescue_commit(tmp_path, dist1)
+    rel = f"{step_dir(6, rescue=True)}/{COMMIT}"
+    rec = json.loads(store.read_bytes(rel))
+    store.write_bytes(rel, json.dumps({**rec, **change}).encode())
+    assert Commits(store).committed() == []
+    assert f"skipping {store.url(rel)}: {why}" in caplog.text
+
+
+def test_a_regular_commit_in_a_rescue_dir_and_a_rescue_in_a_regular_dir_are_refused(tmp_path, dist1, caplog):
+    store, _ = _rescue_commit(tmp_path, dist1)
+    store.mv(step_dir(6, rescue=True), step_dir(6))
+    assert Commits(store).committed() == []
+    assert "kind 'rescue' does not match the directory step-000000006" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "manifest, why",
+    [
+        (b"{", "rescue-1.json"),
+        (b'{"rank": 0, "shard": 0, "files": {}}', "'shard' is 0, the file name says 1"),
+        (b'{"rank": -1, "shard": 1, "files": {}}', "rank"),
+        (
+            b'{"rank": 1, "shard": 1, "files": {"../x": {"bytes": 1, "xxh3_128": "' + b"0" * 32 + b'"}}}',
+            "../x",
+        ),
+        (
+            b'{"rank": 1, "shard": 1, "files": {"__1_0.distcp": {"bytes": 1, "xxh3_128": "'
+            + b"0" * 32
+            + b'"}}}',
+            "lists no rescue-1.metadata",
+        ),
+        (
+            b'{"rank": 7, "shard": 1, "files": {"rescue-1.metadata": {"bytes": 1, "xxh3_128": "'
+            + b"0" * 32
+            + b'"}}}',
+            "not below world size 2",
+        ),
+    ],
+)
+def test_a_malformed_shard_manifest_stops_the_commit_naming_it(tmp_path, dist1, manifest, why):
+    """The committing rank reads the other shards' manifests: each is untrusted input."""
+    store, out = _rescue_commit(tmp_path, dist1, n_shards=2)
+    rel = step_dir(6, rescue=True)
+    store.write_bytes(f"{rel}/ranks/rescue-1.json", manifest)
+    with pytest.raises(ValueError, match="rescue-1") as e:
+        rescue_mod.commit(store, str(tmp_path / "staging" / rel), rel, 6, 2, 2, {})
+    assert why in str(e.value)
+    assert not store.exists(f"{rel}/{COMMIT}")
+
+
+def test_merged_metadata_refuses_shards_that_do_not_cover_a_tensor():
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from goodput.checkpoint.backends import CheckpointLoadError
+
+    def shard(offset, size=(4, 2)):
+        chunk = ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([size[0] // 2, 2]))
+        t = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), [chunk])
+        return Metadata(
+            {"model.w": t}, storage_data={MetadataIndex("model.w", [offset, 0]): f"__{offset}_0.distcp"}
+        )
+
+    merged = merge_metadata([shard(0), shard(2), shard(2)])  # a replica's copy of shard 1 kept once
+    assert len(merged.state_dict_metadata["model.w"].chunks) == 2 and len(merged.storage_data) == 2
+    with pytest.raises(CheckpointLoadError, match="cover 4 of 8 elements of model.w"):
+        merge_metadata([shard(0)])
+    with pytest.raises(CheckpointLoadError, match="disagree on model.w"):
+        merge_metadata([shard(0), shard(2, size=(4, 3))])
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("attempt0000-rank0.json", b"[1]"),
+        (
+            "attempt0000-rank0.json",
+            b'{"attempt": 0, "rank": 0, "time": 1.0, "reached": 3, "step": 3,'
+            b' "outcome": "committed", "seconds": -1}',
+        ),
+        (
+            "attempt0000-rank0.json",
+            b'{"attempt": 0, "rank": 0, "time": 1.0, "reached": "3", "step": 3,'
+            b' "outcome": "committed", "seconds": 1}',
+        ),
+        (
+            "attempt0001-rank0.json",
+            b'{"attempt": 0, "rank": 0, "time": 1.0, "reached": 3, "step": 3,'
+            b' "outcome": "committed", "seconds": 1}',
+        ),
+    ],
+)
+def test_a_malformed_rescue_record_is_moved_aside_naming_it(tmp_path, caplog, name, data):
+    store = Storage(str(tmp_path))
+    store.write_bytes(f"rescues/{name}", data)
+    assert Rescues(store).records() == []
+    assert f"rescues/{name}" in caplog.text
+    assert not store.exists(f"rescues/{name}")  # moved aside, kept under another name
