@@ -1,8 +1,12 @@
 """Evaluate a checkpoint on its run's validation (or test) split, in one process, and record it in MLflow.
 
-python scripts/evaluate.py outputs/checkpoints/demo                      # the newest commit that verifies
-python scripts/evaluate.py outputs/checkpoints/demo --step 250 --weights ema
-python scripts/evaluate.py outputs/checkpoints/demo/step-000000300 --split test
+python scripts/evaluate.py outputs/checkpoints/demo-1a2b3c4d            # the newest commit that verifies
+python scripts/evaluate.py outputs/checkpoints/demo --step 250 --weights ema   # the one demo-<digest> there
+python scripts/evaluate.py outputs/checkpoints/demo-1a2b3c4d/step-000000300 --split test
+
+A run's dir is `<experiment>-<digest>` (docs/config.md, run identity): a path that is not there but
+names exactly one such dir beside it (`outputs/checkpoints/demo` for `demo-1a2b3c4d`) is taken as
+that dir, saying so; with several, one line lists them, newest first.
 
 Any backend and any world size the checkpoint was saved on (DCP shards are gathered on this one
 process). The model, the class names, the image size, the normalization and the data come from the
@@ -23,6 +27,7 @@ import os
 import sys
 import tempfile
 
+from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import data_of, evaluation_loader, load
 from goodput.run.evaluate import default_top_k, evaluate, write_report
@@ -64,9 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--allow-target", action="append", default=[], help="trust this model _target_ too")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     a = p.parse_args(argv)
-    a.tracking_uri = a.tracking_uri or default_store(a.checkpoint)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        a.checkpoint = run_dir(a.checkpoint, say=lambda line: print(f"evaluate.py: {line}", file=sys.stderr))
+        a.tracking_uri = a.tracking_uri or default_store(a.checkpoint)
         return run(a)
     except UserError as e:  # the checkpoint, the step, the split, the data: said in one line
         print(f"evaluate.py: {e}", file=sys.stderr)

@@ -1,9 +1,13 @@
 """List a run's checkpoints, verify them byte for byte, or export a model from one as one file.
 
-python scripts/inspect_checkpoint.py outputs/checkpoints/demo
-python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo              # every commit of a run
-python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo/step-000000300   # one step dir
+python scripts/inspect_checkpoint.py outputs/checkpoints/demo-1a2b3c4d
+python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo-1a2b3c4d     # every commit of a run
+python scripts/inspect_checkpoint.py --verify outputs/checkpoints/demo-1a2b3c4d/step-000000300  # one step
 python scripts/inspect_checkpoint.py outputs/checkpoints/demo --export model.safetensors [--step 250]
+
+A path that is not there but names exactly one run dir `<it>-<8 hex digits>` beside it
+(`outputs/checkpoints/demo` for the one `demo-1a2b3c4d` there) is taken as that dir, saying so;
+with several, one line lists them newest first (exit 2).
 
 --verify streams every file of every committed checkpoint through its checksum and compares it with
 the commit record; it exits 1 and names each bad file (missing, wrong size, wrong checksum, or a commit
@@ -23,7 +27,7 @@ import argparse
 import json
 import sys
 
-from goodput.checkpoint.export import ExportError, model_state, save_safetensors
+from goodput.checkpoint.export import ExportError, SourceError, model_state, run_dir, save_safetensors
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_step
 from goodput.checkpoint.spec import ModelSpec, SpecError
 from goodput.storage.checksum import CHECKSUM, TooLarge
@@ -119,6 +123,11 @@ def main() -> None:
     a = p.parse_args()
     if a.export and not a.export.endswith(".safetensors"):
         p.error(f"--export writes safetensors: name the file *.safetensors, got {a.export}")
+    try:
+        a.dir = run_dir(a.dir, say=lambda line: print(f"inspect_checkpoint.py: {line}", file=sys.stderr))
+    except SourceError as e:
+        print(f"inspect_checkpoint.py: {e}", file=sys.stderr)
+        sys.exit(2)
     one = parse_step(a.dir.rstrip("/").rsplit("/", 1)[-1])
     if one is not None:  # a single step dir
         parent, name = a.dir.rstrip("/").rsplit("/", 1)

@@ -1,6 +1,7 @@
 """Classify image files (or every image under folders) with a trained model; one CSV row per image.
 
-python scripts/predict.py outputs/checkpoints/demo photo.jpg more/         # a run's newest verified commit
+python scripts/predict.py outputs/checkpoints/demo-1a2b3c4d photo.jpg more/  # a run's newest verified commit
+python scripts/predict.py outputs/checkpoints/demo photo.jpg          # the one demo-<digest> there
 python scripts/predict.py model.safetensors photo.jpg --out predictions.csv  # an inspect_checkpoint.py export
 python scripts/predict.py models:/m-0123456789abcdef photo.jpg        # the model a run logged to MLflow
 
@@ -9,7 +10,8 @@ mean and std): a checkpoint in its commit record, an export in its safetensors m
 model in its metadata. Each image gets the eval view training used (resize, center crop, normalize);
 any format Pillow opens works. The CSV: path, class, probability, top<k> (`class:probability`
 pairs, best first, joined by `;`). Loading an MLflow model unpickles it (docs/security.md); the other
-two sources run no code from the files. A missing or undecodable image: one line, exit 2.
+two sources run no code from the files. A missing or undecodable image: one line, exit 2. A checkpoint
+path that is not there but names one run dir `<it>-<8 hex digits>` beside it is that dir (evaluate.py).
 """
 
 import argparse
@@ -18,6 +20,7 @@ import logging
 import os
 import sys
 
+from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import csv_rows, image_files, load, predict
 
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
         mlflow.set_tracking_uri(a.tracking_uri)
     try:
         files = image_files(a.images)
-        m = load(a.source, a.weights, a.step, a.device, tuple(a.allow_target))
+        source = run_dir(a.source, say=lambda line: print(f"predict.py: {line}", file=sys.stderr))
+        m = load(source, a.weights, a.step, a.device, tuple(a.allow_target))
         rows = csv_rows(predict(m, files, a.batch_size, a.top_k), min(a.top_k, m.spec.num_classes))
         if a.out:
             with open(a.out, "w", newline="") as f:

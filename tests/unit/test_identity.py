@@ -256,6 +256,25 @@ def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store,
     assert recorded == ctx2.identity and recorded["keys"]["optim.optimizer.lr"] == 0.05
 
 
+def test_a_changed_identity_is_refused_before_the_demo_data_and_the_run_lock(store, caplog):
+    """The refusal needs only the commit records: the demo data missing under paths.root is not
+    generated for a launch that is refused, and the run lock is not taken."""
+    import shutil
+
+    c, ctx = store.prepare()
+    store.commit(c, ctx, 4)
+    lock = os.path.join(c.checkpoint.dir, "LOCK.json")
+    shutil.rmtree(c.data.root)  # the demo data gone (cleaned up, or another node's paths.root)
+    assert not os.path.exists(lock)  # released, as a finished job leaves it
+    with pytest.raises(job.IdentityChanged, match=r"model\.width \(the run: 32, this launch: 16\)"):
+        store.prepare(f"run.name={c.run.name}", "model.width=16")
+    assert not os.path.exists(c.data.root) and not os.path.exists(lock)
+    # forced: the same launch goes on (the data generated again), the warning said once
+    with caplog.at_level(logging.WARNING):
+        store.prepare(f"run.name={c.run.name}", "model.width=16", "run.allow_config_change=true")
+    assert os.path.isdir(os.path.join(c.data.root, "train")) and caplog.text.count("continuing run") == 1
+
+
 def test_raising_max_steps_continues_the_finished_run_and_says_what_the_lr_does(store, caplog):
     warm = "optim.schedule.warmup_steps=2"
     c, ctx = store.prepare(warm)

@@ -155,9 +155,18 @@ def test_no_progress_lines_with_the_bar_off_or_on_other_ranks(caplog, mode, rank
     assert len([line for line in lines if line.startswith("eval")]) == (mode == "bar")  # the bar: eval lines
 
 
-def test_auto_prints_lines_when_stderr_is_not_a_terminal(caplog, monkeypatch):
-    monkeypatch.setattr("sys.stderr", io.StringIO())  # a file, a SLURM log
-    assert len([line for line in _progress(caplog, mode="auto") if line.startswith("step")]) == 3
+@pytest.mark.parametrize("terminal", [True, False])
+def test_auto_prints_lines_when_stderr_is_not_a_terminal_and_the_bar_when_it_is(
+    caplog, monkeypatch, terminal
+):
+    class Stderr(io.StringIO):  # a terminal, or a file (a SLURM log); pytest's own is never a terminal
+        def isatty(self):
+            return terminal
+
+    monkeypatch.setattr("sys.stderr", Stderr())
+    lines = _progress(caplog, mode="auto")
+    assert len([line for line in lines if line.startswith("step")]) == (0 if terminal else 3)
+    assert ("3/6 [" in sys.stderr.getvalue()) == terminal  # tqdm's bar, drawn on that stderr
 
 
 def test_durations():

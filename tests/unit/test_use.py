@@ -379,3 +379,77 @@ def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
         assert main([str(good), image]) == 0
     header, row = list(csv.reader(io.StringIO(out.getvalue())))
     assert header == ["path", "class", "probability", "top4"] and row[0] == image and row[1] in CLASSES
+
+
+def test_a_path_that_is_not_there_is_the_one_run_dir_named_like_it(tmp_path, monkeypatch):
+    """`outputs/checkpoints/demo` after `make train`: the run dir is demo-<8 hex digits> (the
+    experiment plus its identity digest). Only that exact form beside the path counts, and only a
+    real directory; a path that exists, a URL, or no such sibling: the source as given."""
+    from goodput.checkpoint.export import run_dir
+
+    for name in ["demo-extra-1a2b3c4d", "demo-1a2b3c4", "demo-1A2B3C4D", "demo-1a2b3c4d5", "demox-1a2b3c4d"]:
+        (tmp_path / name).mkdir()  # not the form: a longer name, 7 or 9 digits, upper case
+    (tmp_path / "demo-0000000f").write_text("a file")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "demo-abcdef01").symlink_to(tmp_path / "elsewhere")
+    said = []
+    assert run_dir(str(tmp_path / "demo"), say=said.append) == str(tmp_path / "demo")  # none counts
+    (tmp_path / "demo-1a2b3c4d").mkdir()
+    assert run_dir(str(tmp_path / "demo") + "/", say=said.append) == str(tmp_path / "demo-1a2b3c4d")
+    (line,) = said
+    assert line == (
+        f"{tmp_path}/demo/: no such directory; using {tmp_path}/demo-1a2b3c4d, "
+        "the one run named demo-<digest>"
+    )
+    monkeypatch.chdir(tmp_path)  # relative, as the README's commands are
+    assert run_dir("demo", say=said.append) == "demo-1a2b3c4d" and len(said) == 2
+    (tmp_path / "elsewhere-1a2b3c4d").mkdir()
+    used_as_given = [
+        str(tmp_path / "elsewhere"),  # it exists (and so does elsewhere-1a2b3c4d)
+        "s3://bucket/demo",
+        "models:/demo",
+        "demo.safetensors",
+        str(tmp_path / "nowhere" / "demo"),
+        str(tmp_path / "demo-1a2b3c4d" / "step-000000004"),
+    ]
+    for source in used_as_given:
+        assert run_dir(source, say=said.append) == source
+    assert len(said) == 2
+
+
+def test_several_run_dirs_named_like_a_missing_path_are_refused_newest_first(tmp_path):
+    from goodput.checkpoint.export import run_dir
+
+    for i, name in enumerate(["demo-aaaaaaaa", "demo-cccccccc", "demo-bbbbbbbb"]):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (1e9 + i, 1e9 + i))  # bbbbbbbb newest, then cccccccc
+    with pytest.raises(SourceError) as e:
+        run_dir(str(tmp_path / "demo"), say=pytest.fail)
+    assert str(e.value) == (
+        f"{tmp_path}/demo: no such directory, and 3 runs are named demo-<digest> (newest first): "
+        f"{tmp_path}/demo-bbbbbbbb, {tmp_path}/demo-cccccccc, {tmp_path}/demo-aaaaaaaa; name one"
+    )
+
+
+def test_the_scripts_refuse_several_run_dirs_in_one_line_exit_2(tmp_path, monkeypatch, with_test):
+    import runpy
+
+    from helpers import REPO
+
+    (tmp_path / "demo-aaaaaaaa").mkdir()
+    (tmp_path / "demo-bbbbbbbb").mkdir()
+    image = os.path.join(with_test[0], "test", "disc", "000000.jpg")
+    source = str(tmp_path / "demo")
+    for script, argv in [("evaluate.py", [source, "--no-mlflow"]), ("predict.py", [source, image]),
+                         ("inspect_checkpoint.py", [source])]:  # fmt: skip
+        err = io.StringIO()
+        monkeypatch.setattr("sys.argv", [script, *argv])
+        with redirect_stderr(err):
+            try:
+                rc = runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")["main"](argv)
+            except SystemExit as stop:
+                rc = stop.code
+        assert rc == 2, script
+        line = err.getvalue()
+        assert line.count("\n") == 1 and line.startswith(f"{script}: {source}: no such directory"), line
+        assert f"{tmp_path}/demo-aaaaaaaa" in line and f"{tmp_path}/demo-bbbbbbbb" in line

@@ -7,7 +7,7 @@ python -m goodput.calculator optimal-interval --save-stall-seconds 2 --mtbf-hour
 python -m goodput.calculator simulate --gpus 4096 --afr 0.01 --save-stall-seconds 0.1 --restart-seconds 9
 python -m goodput.calculator simulate --gpus 4096 --afr 0.01 --save-stall-seconds 0.1 --restart-seconds 9 \
     --rescue-probability 0.9 --step-seconds 2
-python -m goodput.calculator advise outputs/checkpoints/demo --gpus 1024 --afr 0.01
+python -m goodput.calculator advise outputs/checkpoints/demo-<digest> --gpus 1024 --afr 0.01
 python -m goodput.calculator plan-table --afr 0.01 --restart-seconds 9 2
 python -m goodput.calculator tables
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,6 +121,42 @@ class Weights:
 
 def is_safetensors(source: str) -> bool:
     return source.endswith(".safetensors")
+
+
+RUN_DIGEST = r"-[0-9a-f]{8}"  # a run name's tail: run.experiment + "-" + the identity digest
+
+
+def run_dir(source: str, say: Callable[[str], None] = log.info) -> str:
+    """`source`, or the one run dir it is short for: a local path that does not exist, with exactly
+    one sibling directory named `<its name>-<8 lowercase hex>` (a run name: the experiment plus its
+    identity digest), names that directory (`say` tells which). Several such siblings: SourceError
+    listing them, newest first. Anything else (a path that exists, a URL, a safetensors file, no
+    such sibling, a sibling that is a file or a link) is returned as is."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/", source) or is_safetensors(source) or os.path.lexists(source):
+        return source
+    parent, name = os.path.split(source.rstrip("/"))
+    if not name:
+        return source
+    pattern = re.compile(re.escape(name) + RUN_DIGEST)
+    try:
+        with os.scandir(parent or ".") as entries:
+            found = [
+                (e.stat(follow_symlinks=False).st_mtime, os.path.join(parent, e.name))
+                for e in entries
+                if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+            ]
+    except OSError:  # no parent either: the caller says the path is not there
+        return source
+    if len(found) > 1:
+        runs = ", ".join(path for _, path in sorted(found, reverse=True))
+        raise SourceError(
+            f"{source}: no such directory, and {len(found)} runs are named {name}-<digest> "
+            f"(newest first): {runs}; name one"
+        )
+    if found:
+        say(f"{source}: no such directory; using {found[0][1]}, the one run named {name}-<digest>")
+        return found[0][1]
+    return source
 
 
 def locate(source: str, step: int | None = None, open_storage: Callable[[str], Storage] = Storage):

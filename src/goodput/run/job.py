@@ -76,10 +76,13 @@ def prepare(
     ctx = RunContext(run_dir, job_start, config_hash(params), identity=ident)
     leader = int(os.environ.get("RANK", "0")) == 0
 
-    if leader:
-        ensure_data(c)
     view = build.checkpoint_commits(c)  # read-only: no backend, no staging dir from this process
     committed = view.committed()
+    # A changed identity is refused before any work (the demo data, the run lock): the commit
+    # records say what the run was trained with. _prepare_run checks again the commit it continues.
+    check_identity(c, ctx, _continued_record(c, view, committed), view.storage, quiet=True)
+    if leader:
+        ensure_data(c)
     lock = None
     if leader:
         lock = RunLock(view.storage, c.run.lock_stale_seconds)
@@ -165,14 +168,28 @@ def _prepare_run(
     return replace(ctx, mlflow_run_id=run_id)
 
 
-def check_identity(c: Config, ctx: RunContext, rec: dict | None, store) -> None:
+def _continued_record(c: Config, view, committed: list) -> dict | None:
+    """The commit record a launch would continue, from the records alone (no bytes verified):
+    run.resume's step dir, or with resume=auto the newest commit."""
+    resume = str(c.run.resume)
+    if resume == "none":
+        return None
+    if resume != "auto":
+        return view.resolve(resume)
+    return committed[0] if committed else None
+
+
+def check_identity(c: Config, ctx: RunContext, rec: dict | None, store, quiet: bool = False) -> None:
     """The commit a launch would continue was trained with this launch's identity keys; if not, the
-    launch is refused naming each key with both values, unless run.allow_config_change (a warning)."""
+    launch is refused naming each key with both values, unless run.allow_config_change (a warning).
+    `quiet`: refuse only (the early check, before any work); the warnings are the later check's."""
     allow = c.run.allow_config_change
     if rec is None:
         return
     theirs = rec.get("identity")
     if theirs is None:  # written before commits recorded it
+        if quiet:
+            return
         log.warning(
             "%s records no run identity (written by an older version): continuing run '%s' without "
             "checking that it trains the same thing", store.url(rec["dir"]), c.run.name,
@@ -187,10 +204,11 @@ def check_identity(c: Config, ctx: RunContext, rec: dict | None, store) -> None:
             f"{identity.describe(diff)}. Leave run.name unset (a new run, named by what it trains), "
             f"choose another run.name, or set run.allow_config_change=true to continue it anyway"
         )
-    log.warning(
-        "run.allow_config_change=true: continuing run '%s' with changed identity keys: %s",
-        c.run.name, identity.describe(diff),
-    )  # fmt: skip
+    if not quiet:
+        log.warning(
+            "run.allow_config_change=true: continuing run '%s' with changed identity keys: %s",
+            c.run.name, identity.describe(diff),
+        )  # fmt: skip
 
 
 def longer_run(cfg: DictConfig, step: int, old_max: int, new_max: int) -> str:
