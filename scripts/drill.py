@@ -4,6 +4,9 @@ python scripts/drill.py                                   # demo job, dcp_async,
 python scripts/drill.py --mtbf 10 --kills 2 -- checkpoint=dcp_sync checkpoint.every_n_steps=10
 python scripts/drill.py --compare   # torch_save (long interval) vs dcp_sync / dcp_async (short)
 python scripts/drill.py --preset mtbf60   # a failure every ~60 s over a >= 10 minute 2-rank demo job
+python scripts/drill.py --preset rescue   # 2 x 26 kills of one rank of 2, checkpoints every 100 steps:
+                                          # with rescues (rank 1, then rank 0 killed) and without
+python scripts/drill.py --preset rescue60 # the same at a failure a minute: goodput against the clean run
 python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
 python scripts/drill.py --mtbf 60 --kills 3 --hang-mtbf 60 --hangs 2 --hang-rank 1 -- parallel=ddp  # both
 
@@ -34,7 +37,38 @@ COMPARE = {  # what the benchmark issue asks for: the baseline at a long interva
 }
 
 
+# A rank dies, the other survives: with rescue checkpoints (the default) each failure costs at most
+# the step in flight, without them the steps since the last commit (every 100 here). Kills land on
+# rank 1 in one run and on rank 0 (which commits and logs) in the other: 2 x 26 kills.
+RESCUE = {
+    "rescue, rank 1 killed": ["fault.rank=1"],
+    "rescue, rank 0 killed": ["fault.rank=0"],
+    "no rescue, rank 1 killed": ["fault.rank=1", "checkpoint.rescue=false"],
+}
+
 PRESETS = {  # a realistic ratio: failures every ~60 s, restarts cheap enough that they cost little
+    "rescue": {
+        "mtbf": 5.0,
+        "kills": 26,
+        "variants": RESCUE,
+        "overrides": [
+            "parallel=ddp",
+            "checkpoint=dcp_async",
+            "checkpoint.every_n_steps=100",
+            "trainer.max_steps=1500",
+        ],
+    },
+    "rescue60": {  # the goodput of a failure a minute with checkpoints every 100 steps
+        "mtbf": 60.0,
+        "kills": 12,
+        "variants": {k: v for k, v in RESCUE.items() if "rank 0" not in k},
+        "overrides": [
+            "parallel=ddp",
+            "checkpoint=dcp_async",
+            "checkpoint.every_n_steps=100",
+            "trainer.max_steps=3000",
+        ],
+    },
     "mtbf60": {
         "mtbf": 60.0,
         "kills": 12,
@@ -77,7 +111,15 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         "wall_s": g["wall_seconds"],
         "same_model": None if clean is None else s["model_sha256"] == clean["model_sha256"],
         "restart_s": restart_cost(s),
+        "rescued": s.get("rescues", {}).get("count", 0),
+        # per restart: the steps the failed attempt had finished that the restart redid
+        "max_lost_per_failure": max((r.get("lost_steps", 0) for r in per_restart(s)), default=None),
+        "vs_clean": None if clean is None else round(g["goodput"] / clean["goodput"]["goodput"], 4),
     }
+
+
+def per_restart(s: dict) -> list[dict]:
+    return (s.get("recovery") or {}).get("per_restart", [])
 
 
 def restart_cost(s: dict) -> float | None:
@@ -142,9 +184,11 @@ def main() -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="mtbf, kills and overrides of a named drill")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     a = p.parse_args()
+    variants = COMPARE if a.compare else {"faulty": []}
     if a.preset:  # the preset's values; overrides given after -- still win
         pre = PRESETS[a.preset]
         a.mtbf, a.kills, a.overrides = pre["mtbf"], pre["kills"], [*pre["overrides"], *a.overrides]
+        variants = pre.get("variants", variants)
     if a.mtbf <= 0 or a.kills < 0:
         p.error("--mtbf must be > 0 and --kills >= 0")
     if a.hang and a.hang_mtbf:
@@ -167,7 +211,6 @@ def main() -> None:
             p.error(f"--hang wants SITE@STEP, got {a.hang!r}")
         faults += [f"fault.hang_site={site}", f"fault.hang_at_step={int(at)}",
                    f"fault.hang_rank={a.hang_rank}", f"trainer.hang_timeout_s={a.hang_timeout}"]  # fmt: skip
-    variants = COMPARE if a.compare else {"faulty": []}
     # The first run under a root pays one-time costs that would count in its wall time: demo data
     # generation, MLflow database creation, cold file caches. A one-step warm-up pays them, so the
     # clean and the faulty runs start alike (without it, cheap restarts made faulty beat clean).
@@ -176,7 +219,7 @@ def main() -> None:
     print(f"clean run ({' '.join(a.overrides) or 'defaults'}) ...", flush=True)
     clean = run(a.root, f"drill-{tag}/clean", [*a.overrides, f"seed={a.seed}"])
     rows = [row("clean", clean, None)]
-    phases, recovery = [], {}
+    phases, recovery, lost = [], {}, {}
     for label, extra in variants.items():
         hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
         if a.hang_mtbf:
@@ -186,12 +229,15 @@ def main() -> None:
         rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
         phases.append(phase_table(label, s))
         recovery[label] = s.get("recovery")
+        lost[label] = [(r.get("resumed_kind"), r.get("lost_steps")) for r in per_restart(s)]
     table = markdown(rows)
     phase_md = "\n\n".join(p for p in phases if p)
     print(table)
     if phase_md:
         print("\nrecovery phases (median seconds per restart; each from the previous phase's end):")
         print(phase_md)
+    for label, per in lost.items():  # what each failure cost: (resumed from, steps redone)
+        print(f"{label}: lost steps per restart {[n for _, n in per]} (resumed from {[k for k, _ in per]})")
     os.makedirs(a.out, exist_ok=True)
     result = {
         "mtbf_seconds": a.mtbf,
@@ -203,6 +249,7 @@ def main() -> None:
         "overrides": a.overrides,
         "rows": rows,
         "recovery": recovery,
+        "lost_steps_per_restart": lost,
     }
     Path(a.out, "drill.json").write_text(json.dumps(result, indent=2))
     Path(a.out, "drill.md").write_text(table + "\n\n" + phase_md + "\n")

@@ -65,8 +65,9 @@ class MlflowConfig:
     only warns. summary.json's mlflow_model_uri loads it (mlflow.pytorch.load_model)."""
 
     artifact_timeout_s: float = 600.0
-    """Bound on each upload to the artifact store at the end of a run: the logged model, then the
-    run's files (summary.json, goodput.png, the evaluation report, .hydra/). A store slower than
+    """Bound on each upload to the artifact store: identity.json when the run starts, and at its end
+    the logged model, then the run's files (summary.json, goodput.png, the evaluation report,
+    .hydra/). A store slower than
     that costs a warning and the upload (summary.json's mlflow_model_uri is then null), never the
     finished run: summary.json is written and the MLflow run ends FINISHED whatever the store does."""
 
@@ -278,14 +279,25 @@ def start_run(
     return run.info.run_id
 
 
-def log_json(uri: str, run_id: str, obj: dict, name: str) -> None:
-    """A small JSON artifact of the run (its identity.json); an artifact store that fails only warns."""
+def log_json(uri: str, run_id: str, obj: dict, name: str, timeout_s: float) -> None:
+    """A small JSON artifact of the run (its identity.json), on a daemon thread for at most
+    `timeout_s` (mlflow.artifact_timeout_s): an artifact store that fails or hangs only warns,
+    before training as at its end."""
     from mlflow.tracking import MlflowClient
 
-    try:
-        _retry(MlflowClient(uri).log_dict, run_id, obj, name)
-    except Exception as e:
-        log.warning("MLflow: could not log %s (%s)", name, e)
+    def upload():
+        try:
+            _retry(MlflowClient(uri).log_dict, run_id, obj, name)
+        except Exception as e:
+            log.warning("MLflow: could not log %s (%s)", name, e)
+
+    th = threading.Thread(target=upload, name=f"mlflow: logging {name}", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        log.warning(
+            "MLflow: logging %s took over %.0f s (mlflow.artifact_timeout_s): gave up", name, timeout_s
+        )
 
 
 def effective_params(params: dict[str, str]) -> dict[str, str]:

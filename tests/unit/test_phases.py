@@ -147,6 +147,7 @@ def test_a_hung_artifact_store_at_the_end_still_finishes_the_run(
     assert fired == []
     assert any("logging the model" in name for name in hung_artifact_store)  # the store was what hung
     assert any("run's files" in name for name in hung_artifact_store)
+    assert any("identity.json" in name for name in hung_artifact_store)  # at the start too, bounded
     assert summary["steps"] == 12 and summary["mlflow_model_uri"] is None
     written = (tmp_path / "run" / "summary.json").read_text()
     assert '"mlflow_model_uri": null' in written

@@ -158,6 +158,10 @@ def parse_commit(data: bytes, rel: str) -> dict:
         by = rec.get("rescued_by")
         if not (isinstance(by, list) and by and all(_int(r) and 0 <= r < world for r in by)):
             raise CommitError(f"bad rescued_by {by!r} (the ranks that wrote it, each < world_size {world})")
+        if not isinstance(rec.get("evaluate_first", False), bool):
+            raise CommitError(
+                f"bad evaluate_first {rec['evaluate_first']!r} (true: the step's evaluation is due)"
+            )
         over = rec.get("regular_step", 0)
         if not (_int(over) and 0 <= over < step):
             raise CommitError(f"bad regular_step {over!r} (the newest regular commit before step {step})")

@@ -72,11 +72,14 @@ class Writer:
 class Rescue:
     """The loop's side: where the state stands, so a failure can write the last finished step.
 
-    `boundary(step)`: the state is whole at the end of `step` (its optimizer update, schedule, EMA,
-    and an evaluation of that step are done). The loader's position and the model's buffers are
-    noted here, because the next step changes them before its update: the loader delivers the next
-    batch, the forward updates BatchNorm statistics. The random streams need nothing: they are
-    reseeded from (seed, rank, step) before every step (checkpoint.state.RNGState.at_step).
+    `boundary(step, evaluated)`: the state is whole at the end of `step` (its optimizer update,
+    schedule and EMA are done); `evaluated`: and so is its evaluation, if it has one (else a rescue
+    says so, and the relaunch evaluates that step first, as the run would have: the same metrics,
+    early-stopping counter and best). The run's parts (the loader's position, the schedule, the
+    monitors: all but the time ledger) and the model's buffers are noted here, because what
+    follows changes them before the next update: the loader delivers the next batch, the forward
+    updates BatchNorm statistics, an evaluation the monitors. The random streams need nothing:
+    they are reseeded from (seed, rank, step) before every step (checkpoint.state.RNGState.at_step).
     `updating()`: the optimizer update starts, parameters are about to be half-written: no rescue
     until the next boundary.
 
@@ -96,21 +99,24 @@ class Rescue:
         self.step: int | None = None  # the boundary the state is at (None: inside an update, or not yet)
         self.reached = 0  # the newest step whose update finished
         self.since: int | None = None  # the step this attempt started from: nothing to gain at or before it
-        self._data = None
+        self._parts: dict = {}
+        self._evaluated = True
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._result: dict | None = None
 
     # -- the loop's side ---------------------------------------------------------------------------
-    def boundary(self, step: int) -> None:
+    def boundary(self, step: int, evaluated: bool = True) -> None:
         if not self.enabled:
             return
         if self.since is None:
             self.since = step
         self.reached = step
-        self._data = self.app.parts["data"].state_dict()  # settles the delivered batches' hash
+        # (the loader's state settles the delivered batches' hash; the ledger keeps running)
+        self._parts = {k: p.state_dict() for k, p in self.app.parts.items() if k != "ledger"}
         with torch.no_grad():
             self._buffers = [b.detach().clone() for b in self.model.buffers()]
+        self._evaluated = evaluated
         self.step = step
 
     def updating(self) -> None:
@@ -135,7 +141,7 @@ class Rescue:
             log.warning("rescue: rank %d was inside an optimizer update (parameters half-written): "
                         "nothing to rescue", self.rank)  # fmt: skip
             return self._record({**out, "outcome": "in_update", "seconds": 0.0})
-        if self.since is not None and self.step <= self.since:
+        if self.since is not None and self.step <= self.since and self._evaluated:
             return self._record({**out, "outcome": "nothing_new", "seconds": 0.0})
         box: dict = {}
         th = threading.Thread(target=self._write, args=(self.step, box), name="rescue", daemon=True)
@@ -161,9 +167,10 @@ class Rescue:
         return self._record(rec)
 
     def _write(self, step: int, box: dict) -> None:
+        info = self.info if self._evaluated else lambda: {**self.info(), "evaluate_first": True}
         try:
             box.update(write_shard(self.store, self.staging_dir, step, self.shard, self.n_shards,
-                                   self.rank, self.world, self.state(step), self.info))  # fmt: skip
+                                   self.rank, self.world, self.state(step), info))  # fmt: skip
         except BaseException as e:  # CheckpointException derives from BaseException
             box["error"] = e
 
@@ -177,7 +184,7 @@ class Rescue:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         rank_parts = {r: {"rng": self.rng.derived(r, step)} for r in self.speaks_for}
-        sd = self.app.state_dict(StateDictOptions(), parts={"data": self._data}, rank_parts=rank_parts)
+        sd = self.app.state_dict(StateDictOptions(), parts=self._parts, rank_parts=rank_parts)
         return _to_host(sd)
 
     def _record(self, rec: dict) -> dict:

@@ -190,6 +190,7 @@ class Trainer:
         attempt = lambda: self.goodput.restarts  # noqa: E731  # numbered once the attempt begins
         self.rescue = self.ckpt.rescuer(strategy, self.app, self.rng, self.model, attempt)
         self.watchdog.last_words = self.rescue.write  # a hung rank's state may be whole: rescue first
+        self.evaluate_first = False  # set by the worker when a rescue says its step's evaluation is due
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
             before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,

@@ -164,7 +164,7 @@ def _prepare_run(
         m.artifact_location,
         tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags},
     )
-    log_json(m.tracking_uri, run_id, ctx.identity, "identity.json")  # the keys and values of the digest
+    log_json(m.tracking_uri, run_id, ctx.identity, "identity.json", m.artifact_timeout_s)  # the digest's keys
     return replace(ctx, mlflow_run_id=run_id)
 
 

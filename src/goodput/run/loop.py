@@ -40,13 +40,49 @@ def train(t) -> dict:
 
     step = t.loader.step
     sync = sync_point(d.device)
-    loss_val, val_acc, last_eval = float("nan"), None, None
+    loss_val, val_acc, last_eval, early = float("nan"), None, None, False
     top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
+
+    def after(step: int, evaluating: bool) -> bool:
+        """What follows a step: its evaluation, the stop agreement, the save. True: stop here."""
+        nonlocal last_eval, val_acc, early
+        if evaluating:
+            te = time.perf_counter()
+            # a phase with its own bound; the process's first evaluation compiles (inference graphs)
+            with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
+                last_eval = evaluate(
+                    t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
+                )
+                compiling = t.compile_clock.take()  # a compiled model compiles again for inference
+            t.goodput.add("compile", compiling)
+            t.goodput.add("eval", time.perf_counter() - te - compiling)
+            val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
+            t.tracker.log(metrics, step)
+            progress.evaluated(step, metrics)
+            t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
+            early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
+            t.rescue.boundary(step, evaluated=True)
+
+        stopping = stop.agreed(d.world)
+        info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
+        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping or early, info=info)
+        if blocking is not None:
+            t.goodput.add("checkpoint", blocking)
+            t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
+        for m in t.ckpt.drain_metrics():
+            t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
+        if stopping:
+            log.warning("received %s: checkpointed step %d, stopping", stop.received, step)
+        if early:
+            log.warning("early stopping at step %d: %s", step, t.early_stopping.detail())
+        return stopping or early
+
     t.model.train()
-    t.rescue.boundary(step)  # the restored (or initial) state: whole
-    while step < max_steps:
-        early = False
+    t.rescue.boundary(step, evaluated=not t.evaluate_first)  # the restored (or initial) state
+    # A rescue written before its step's evaluation was done: that evaluation first, as it would have run
+    done = t.evaluate_first and after(step, evaluating=True)
+    while step < max_steps and not done:
         t.rng.at_step(step)  # every random stream a function of (seed, rank, step): see RNGState
         t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary
         t0 = time.perf_counter()
@@ -60,6 +96,8 @@ def train(t) -> dict:
         sync()  # on CUDA: the step's kernels are done, so the clock reads what they took
         compiling = t.compile_clock.take()  # seconds of this step that were torch.compile
         t2 = time.perf_counter()
+        evaluating = bool(eval_every and step % eval_every == 0) or step == max_steps
+        t.rescue.boundary(step, evaluated=not evaluating)  # the update is done: a rescue may write it
 
         t.goodput.add("fetch", t1 - t0)
         t.goodput.add("compile", compiling)
@@ -68,9 +106,6 @@ def train(t) -> dict:
         window["step"] += t2 - t0 - compiling  # perf/images_per_second: the step, not its compile
         window["images"] += len(y)
         window["n"] += 1
-        evaluating = bool(eval_every and step % eval_every == 0) or step == max_steps
-        if not evaluating:  # the state is whole now; with an evaluation, once its results are in
-            t.rescue.boundary(step)
         t.faults.at_step(step)
         t.faults.site("step")
 
@@ -88,38 +123,7 @@ def train(t) -> dict:
             window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
         t.step_done(step)  # how far this attempt got (lost work after a crash); async, never blocks
         progress.advance()
-
-        if evaluating:
-            te = time.perf_counter()
-            # a phase with its own bound; the process's first evaluation compiles (inference graphs)
-            with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
-                last_eval = evaluate(
-                    t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
-                )
-                compiling = t.compile_clock.take()  # a compiled model compiles again for inference
-            t.goodput.add("compile", compiling)
-            t.goodput.add("eval", time.perf_counter() - te - compiling)
-            val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
-            t.tracker.log(metrics, step)
-            progress.evaluated(step, metrics)
-            t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
-            early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
-            t.rescue.boundary(step)
-
-        stopping = stop.agreed(d.world)
-        info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
-        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping or early, info=info)
-        if blocking is not None:
-            t.goodput.add("checkpoint", blocking)
-            t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
-        for m in t.ckpt.drain_metrics():
-            t.tracker.log({k: v for k, v in m.items() if k != "ckpt/step"}, m["ckpt/step"])
-        if stopping:
-            log.warning("received %s: checkpointed step %d, stopping", stop.received, step)
-            break
-        if early:
-            log.warning("early stopping at step %d: %s", step, t.early_stopping.detail())
-            break
+        done = after(step, evaluating)
 
     progress.close()
     t.profiler.stop()  # a run that ended inside the profiled steps still writes its trace
