@@ -2,7 +2,8 @@
 machine. The module shares one uninterrupted run, a two-"node" torchrun job (2 agents x 2 ranks on
 loopback) with parallel.shard_size left at its default, the ranks of one node. The same layout from
 one command (parallel.shard_size=2, parallel.oversubscribe=true) with a rank killed mid-run and
-restarted by the elastic agent ends on its model bit for bit; its step-8 checkpoint resumes as
+restarted by the elastic agent ends on its model bit for bit, resumed from the survivors' rescue or
+from the commit before; its step-8 checkpoint resumes as
 fsdp and as ddp on 2 ranks and on one process within the resharding tolerance (with a negative
 control). The step and checkpoint state on the 2-D mesh, in-process: unit/test_hsdp.py."""
 
@@ -89,20 +90,25 @@ def test_hsdp_on_two_nodes_shards_inside_a_node_and_saves_each_shard_once(hsdp_r
     assert model_sha256(model) == s["model_sha256"]
 
 
-def test_a_killed_rank_restarts_to_the_same_model(tmp_path, hsdp_reference):
+@pytest.mark.parametrize("rescue", [True, False], ids=["rescued", "regular"])
+def test_a_killed_rank_restarts_to_the_same_model(tmp_path, hsdp_reference, rescue):
     """One command, 4 ranks, parallel.shard_size=2: the two-node run's layout. SIGKILL of rank 3
-    at step 10 -> the elastic agent restarts all 4 from the step-8 commit (torch_save: the full
-    state gathered on rank 0, loaded back into the 2-D shards) -> the uninterrupted run's model,
-    bit for bit."""
+    at step 10 -> the elastic agent restarts all 4 -> the uninterrupted run's model, bit for bit.
+    Rescued: the survivors hold every shard (rank 3's in rank 1, the other group): each shard's
+    first claimant writes step 10, no collective, and the restart resumes it. Without: from the
+    step-8 commit (torch_save: the full state gathered on rank 0, loaded back into the 2-D shards)."""
     _, _, ref = hsdp_reference
     p, s = run_train(
         tmp_path, *HSDP4, "checkpoint=torch_save", "parallel.max_restarts=2", "fault.kill_at_step=10",
-        "fault.rank=3", timeout=600,
+        "fault.rank=3", f"checkpoint.rescue={str(rescue).lower()}", timeout=600,
     )  # fmt: skip
     assert "SIGKILL rank 3" in p.stderr
-    assert s["restarts"] == 1 and s["resumed_from_steps"] == [8]
+    assert s["restarts"] == 1 and s["resumed_from_steps"] == ([10] if rescue else [8])
     assert s["model_sha256"] == ref["model_sha256"]
     assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+    if rescue:  # shard 1 can only have come from rank 1; shard 0 from rank 0 or 2
+        assert "rescue: rank 1 wrote shard 1/2 of step 10" in p.stderr
+        assert s["rescues"]["count"] == 1 and "committed" in s["rescues"]["outcomes"]["0"]
 
 
 @pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("ddp", 2), ("single", 1)])

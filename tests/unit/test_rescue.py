@@ -102,8 +102,8 @@ def test_a_rescue_without_the_boundarys_buffers_would_be_caught(tmp_path, one_pr
 _BOUNDARY = rescue_mod.Rescue.boundary
 
 
-def _boundary_without_buffers(self, step):
-    _BOUNDARY(self, step)
+def _boundary_without_buffers(self, step, evaluated=True):
+    _BOUNDARY(self, step, evaluated)
     self._buffers = []  # nothing to put back: the live statistics are written
 
 
@@ -330,3 +330,24 @@ def test_a_malformed_rescue_record_is_moved_aside_naming_it(tmp_path, caplog, na
     assert Rescues(store).records() == []
     assert f"rescues/{name}" in caplog.text
     assert not store.exists(f"rescues/{name}")  # moved aside, kept under another name
+
+
+def test_a_ranks_streams_at_a_boundary_are_known_without_its_state():
+    """RNGState.derived(rank, step) is what at_step(step) leaves on that rank: a rescue speaks for
+    ranks it cannot ask, and a rank the checkpoint did not have starts where it would have been."""
+    import random
+
+    import numpy as np
+
+    from goodput.checkpoint.state import RNGState
+
+    other = RNGState(seed=7, rank=0).derived(rank=3, step=11)
+    three = RNGState(seed=7, rank=3)
+    torch.rand(5), np.random.rand(3), random.random()  # anywhere before
+    three.at_step(11)
+    assert three.state_dict() == other
+    draws = (torch.rand(3), np.random.rand(2), random.random())
+    three.load_state_dict(other)
+    assert torch.equal(torch.rand(3), draws[0]) and (np.random.rand(2) == draws[1]).all()
+    assert random.random() == draws[2]
+    assert RNGState(7, 0).derived(3, 12) != other and RNGState(7, 0).derived(2, 11) != other
