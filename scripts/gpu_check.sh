@@ -8,8 +8,12 @@
 #   resume       a run killed at step 10 and relaunched == the uninterrupted run (model_sha256), dcp_async
 #   cuda_rng     the checkpoint of that run holds the CUDA RNG state, and it restores the generator
 #   compile      bf16 + trainer.compile on the entry point (bf16 where this checkout has trainer.precision)
+#   rescue       the step's own error on CUDA (fault.raise_at_step=7): the rescue copies the state to host
+#                memory and the relaunch resumes step 6 == the uninterrupted run; with 2+ GPUs also
+#                rank 1 of a 2-rank NCCL job killed at step 7: the survivor, stuck in NCCL until its
+#                grace or the collective timeout, rescues step 7 and the restart resumes it
 #   hsdp         4 GPUs: parallel=hsdp, 2 replica groups x 2 shards on NCCL, bf16, rank 3 killed at step 10
-#                -> elastic restart == the uninterrupted run (model_sha256); SKIP with fewer GPUs
+#                -> the survivors' rescue of step 10 -> == the uninterrupted run; SKIP with fewer GPUs
 #   bench        scripts/bench_step.py: images/s per switch (resnet18 on GPU), compile restart cold vs warm
 #
 # Without CUDA it says so and runs what a CPU can (the entry-point checks, gloo); the CUDA-only ones
@@ -166,8 +170,37 @@ else
   line FAIL compile "exit $?: $(tail -1 "$OUT/compile.log")"
 fi
 
-# -- hsdp (needs 4 GPUs: 2 replica groups x 2 shards) -------------------------------------------------
+# -- rescue ------------------------------------------------------------------------------------------
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+rescue=(checkpoint=dcp_sync checkpoint.every_n_steps=5)
+train rescue_ref "${rescue[@]}"
+rc_ref=$?
+train rescue_own "${rescue[@]}" fault.raise_at_step=7
+rc_own=$?
+train rescue_own "${rescue[@]}" fault.raise_at_step=7
+rc_again=$?
+if [ $rc_ref -ne 0 ] || [ $rc_own -eq 0 ] || [ $rc_again -ne 0 ]; then
+  line FAIL rescue "exits: uninterrupted $rc_ref, failing step $rc_own (non-zero expected), relaunch $rc_again"
+else
+  a=$(summary rescue_ref "s['model_sha256']")
+  b=$(summary rescue_own "s['model_sha256']")
+  from=$(summary rescue_own "s['resumed_from_steps']")
+  detail="own error: resumed from $from ([6] expected), model_sha256 ${b:0:12} vs ${a:0:12}"
+  if [ "$a" != "$b" ] || [ "$from" != "[6]" ]; then line FAIL rescue "$detail"
+  elif [ "${NGPU:-0}" -ge 2 ]; then
+    train rescue_ddp_ref "${rescue[@]}" parallel=ddp
+    train rescue_ddp "${rescue[@]}" parallel=ddp parallel.max_restarts=1 fault.kill_at_step=7 fault.rank=1
+    c=$(summary rescue_ddp_ref "s['model_sha256']")
+    d=$(summary rescue_ddp "s['model_sha256']")
+    from2=$(summary rescue_ddp "s['resumed_from_steps']")
+    if [ "$c" = "$d" ] && [ "$from2" = "[7]" ]; then
+      line PASS rescue "$detail; NCCL rank 1 killed: resumed from $from2, model_sha256 ${d:0:12} == uninterrupted"
+    else line FAIL rescue "$detail; NCCL rank 1 killed: resumed from $from2 ([7] expected), ${d:0:12} vs ${c:0:12}"; fi
+  elif [ "$CUDA" = 1 ]; then line PASS rescue "$detail (the NCCL kill needs 2 GPUs)"
+  else line SKIP rescue "no CUDA: $detail (tests/e2e/test_rescue_runs.py has the gloo drills)"; fi
+fi
+
+# -- hsdp (needs 4 GPUs: 2 replica groups x 2 shards) -------------------------------------------------
 if [ "${NGPU:-0}" -ge 4 ]; then
   hsdp=(parallel=hsdp parallel.nproc_per_node=4 parallel.shard_size=2 checkpoint=dcp_sync)
   [ "$has_precision" = 1 ] && hsdp+=(trainer.precision=bf16-mixed)
@@ -183,9 +216,9 @@ if [ "${NGPU:-0}" -ge 4 ]; then
     a=$(summary hsdp_ref "s['model_sha256']")
     b=$(summary hsdp_kill "s['model_sha256']")
     from=$(summary hsdp_kill "s['resumed_from_steps']")
-    if [ "$a" = "$b" ] && [ "$from" = "[8]" ]; then
-      line PASS hsdp "2 groups x 2 shards, rank 3 killed, resumed from $from, model_sha256 ${a:0:12} == uninterrupted"
-    else line FAIL hsdp "model_sha256 ${b:0:12} vs uninterrupted ${a:0:12}, resumed from $from ([8] expected)"; fi
+    if [ "$a" = "$b" ] && [ "$from" = "[10]" ]; then
+      line PASS hsdp "2 groups x 2 shards, rank 3 killed, resumed from the rescue $from, model_sha256 ${a:0:12} == uninterrupted"
+    else line FAIL hsdp "model_sha256 ${b:0:12} vs uninterrupted ${a:0:12}, resumed from $from ([10], the rescue, expected)"; fi
   fi
 else
   line SKIP hsdp "needs 4 GPUs (2 replica groups x 2 shards), this machine has ${NGPU:-0}; CPU drills: tests/e2e/test_hsdp_runs.py"

@@ -28,6 +28,7 @@ docs/checkpointing.md, "Rescue checkpoints".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -178,14 +179,17 @@ class Rescue:
         """The state dict at the boundary after `step`, tensors on the host, with this shard's
         per-rank entries for every rank it speaks for. No collective; the live state is put back to
         the boundary first (the process exits after the rescue)."""
-        with torch.no_grad():
-            for live, saved in zip(self.model.buffers(), self._buffers):
-                live.copy_(saved)
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+        # On CUDA, on a stream of its own: after an NCCL failure the default stream may wait forever
+        # behind a collective (what is queued behind it never runs: nothing overwrites this copy).
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for live, saved in zip(self.model.buffers(), self._buffers):
+                live.copy_(saved)
         rank_parts = {r: {"rng": self.rng.derived(r, step)} for r in self.speaks_for}
         sd = self.app.state_dict(StateDictOptions(), parts=self._parts, rank_parts=rank_parts)
-        return _to_host(sd)
+        return _to_host(sd, stream)
 
     def _record(self, rec: dict) -> dict:
         """What this rank did, beside the checkpoints (the summary's `rescues`, the ledger's
@@ -209,14 +213,11 @@ def _quietly(fn, *args) -> None:
         log.warning("rescue: could not write its record: %r", e)
 
 
-def _to_host(sd):
-    """Tensors copied to host memory, on a stream of their own on CUDA: after an NCCL failure the
-    default stream may wait behind a collective that never ends."""
-    if not torch.cuda.is_available():
+def _to_host(sd, stream):
+    """Tensors copied to host memory on `stream` (CUDA; None: on the CPU already)."""
+    if stream is None:
         return sd
     from torch.distributed.tensor import DTensor
-
-    stream = torch.cuda.Stream()
 
     def host(t):
         if isinstance(t, DTensor):
