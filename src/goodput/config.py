@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import MISSING, OmegaConf
 
 from goodput import identity, options
-from goodput.checkpoint.config import CheckpointConfig
+from goodput.checkpoint.config import AGENT_STOP_GRACE_S, RESCUE_MARGIN_S, CheckpointConfig
 from goodput.data import augment
 from goodput.data.augment import AugmentConfig
 from goodput.data.config import DataConfig, DemoDataConfig
@@ -335,6 +335,15 @@ def validate(c: dict) -> Config:
                 f"parallel.nproc_per_node={n} is more processes than this machine can run ({limit}"
                 + (" GPUs)" if cuda else " CPUs; parallel.oversubscribe=true runs them anyway, slower)")
             )
+    ck = c["checkpoint"]
+    budget = AGENT_STOP_GRACE_S - RESCUE_MARGIN_S
+    if ck["rescue"] and tr["signal_grace_seconds"] + ck["rescue_timeout_s"] > budget:
+        errors.append(
+            f"trainer.signal_grace_seconds={tr['signal_grace_seconds']:g} + checkpoint.rescue_timeout_s="
+            f"{ck['rescue_timeout_s']:g} must be at most {budget:g}: a survivor stuck in a collective starts "
+            f"its rescue after the grace, and the elastic agent kills it {AGENT_STOP_GRACE_S:g} s after its "
+            f"SIGTERM ({RESCUE_MARGIN_S:g} s are left for the exit)"
+        )
     # What the strategy class says it does, not its name: a subclass of your own is checked alike.
     strategy, name = built.get("parallel"), par["strategy"]["_target_"]
     if strategy is not None and strategy.shards_parameters and world <= 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -102,9 +103,9 @@ def test_a_rescue_without_the_boundarys_buffers_would_be_caught(tmp_path, one_pr
 _BOUNDARY = rescue_mod.Rescue.boundary
 
 
-def _boundary_without_buffers(self, step, evaluated=True):
-    _BOUNDARY(self, step, evaluated)
-    self._buffers = []  # nothing to put back: the live statistics are written
+def _boundary_without_buffers(self, step, evaluated=True, stop_reason=None):
+    _BOUNDARY(self, step, evaluated, stop_reason)
+    self._buffers = {}  # nothing noted: the live statistics are written
 
 
 def test_a_rescue_that_runs_out_of_time_is_never_loaded(tmp_path, one_process, monkeypatch):
@@ -351,3 +352,141 @@ def test_a_ranks_streams_at_a_boundary_are_known_without_its_state():
     assert torch.equal(torch.rand(3), draws[0]) and (np.random.rand(2) == draws[1]).all()
     assert random.random() == draws[2]
     assert RNGState(7, 0).derived(3, 12) != other and RNGState(7, 0).derived(2, 11) != other
+
+
+def _rescue_of(app, tmp_path, world=2, strategy=None, timeout_s=10.0):
+    from goodput.parallel import DDP
+
+    store, staging = Storage(str(tmp_path / "ckpt")), str(tmp_path / "staging")
+    return rescue_mod.Rescue(True, timeout_s, store, staging, 0, world, strategy or DDP(), app,
+                             app.rank_parts["rng"], app.model, lambda: {})  # fmt: skip
+
+
+def test_a_rescue_asked_for_by_another_thread_is_written_by_the_main_thread_at_its_next_boundary(tmp_path):
+    """The grace timer fires while the main thread is slow, not stuck: the main thread must not
+    change the state under the writer. It takes the rescue over at its next step boundary (here:
+    step 5, a newer state than the step 4 noted when the request came) and then parks."""
+    app, _, _ = make_app(0)
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path)
+    r.boundary(3)
+    r.boundary(4)
+    parked = threading.Event()
+
+    class Parked(Exception):
+        pass
+
+    def park():
+        parked.set()
+        raise Parked  # in the job the main thread waits here for the requester to end the process
+
+    r.park = park
+    got = {}
+    th = threading.Thread(target=lambda: got.update(r.request("no step boundary 10s after SIGTERM")))
+    th.start()
+    time.sleep(0.3)  # the main thread is still computing its step
+    with torch.no_grad():
+        for p in app.model.parameters():
+            p.add_(1.0)  # step 5's update, as the optimizer would
+    with pytest.raises(Parked):
+        r.boundary(5)
+    th.join(10)
+    assert parked.is_set() and got["outcome"] == "committed" and got["step"] == 5
+    rec = Commits(Storage(str(tmp_path / "ckpt"))).committed()[0]
+    assert rec["step"] == 5 and rec["kind"] == "rescue"
+
+
+def test_a_stuck_main_thread_is_rescued_by_the_requesting_thread(tmp_path, monkeypatch):
+    app, _, _ = make_app(0)
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path, timeout_s=3.0)  # the hand-over waits 1 s
+    r.boundary(3)
+    r.boundary(4)
+    got = {}
+    th = threading.Thread(target=lambda: got.update(r.request("hang watchdog")))
+    th.start()
+    th.join(10)  # the main thread never reaches a boundary
+    assert got["outcome"] == "committed" and got["step"] == 4
+
+
+def test_nothing_is_rescued_or_recorded_before_the_first_boundary(tmp_path):
+    """A failure during a later attempt's restore: no boundary yet, no attempt number yet (writing
+    a record would overwrite attempt 0's)."""
+    app, _, _ = make_app(0)
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path)
+    assert r.write("the restore failed")["outcome"] == "not_started"
+    assert Storage(str(tmp_path / "ckpt")).ls() == {}
+
+
+def test_a_rescue_past_its_deadline_commits_nothing(tmp_path, dist1):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    with pytest.raises(TimeoutError):
+        write_shard(mgr.storage, str(tmp_path / "staging"), 6, 0, 1, 0, 2, app.state_dict(StateDictOptions()),
+                    lambda: mgr.fields(app), deadline=0.0)  # fmt: skip
+    assert Commits(mgr.storage).committed() == []
+
+
+def test_the_rescue_of_an_early_stop_says_so(tmp_path):
+    """Early stopping decided at step 5, then the final save failed: the relaunch must not train on."""
+    app, _, _ = make_app(0)
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path)
+    r.boundary(3)
+    r.boundary(5, evaluated=True, stop_reason="early_stopping")
+    assert r.write("the save failed")["outcome"] == "committed"
+    rec = Commits(Storage(str(tmp_path / "ckpt"))).committed()[0]
+    assert rec["stop_reason"] == "early_stopping" and "evaluate_first" not in rec
+
+
+def test_retention_removes_a_superseded_rescue_unless_it_is_the_best(tmp_path, dist1):
+    store, _ = _rescue_commit(tmp_path, dist1, step=6)
+    mgr = manager(tmp_path, "dcp_sync", dist1, keep_best_by="val/accuracy")
+    app, _, _ = make_app(0)
+    mgr.best.observe({"val/accuracy": 0.9}, 6)  # the rescue's step is the best so far
+    mgr.save(8, app)
+    mgr.wait()
+    assert [r["dir"] for r in Commits(store).committed()] == ["step-000000008", "step-000000006.rescue"]
+    mgr.best.observe({"val/accuracy": 0.95}, 8)
+    mgr.save(10, app)
+    mgr.wait()
+    assert [r["dir"] for r in Commits(store).committed()] == ["step-000000010", "step-000000008"]
+
+
+def test_the_summary_counts_a_rescue_resumed_twice_once():
+    from goodput.resilience.accounting import summarize_rescues
+
+    attempts = [
+        {"attempt": 0, "resumed_from": None},
+        {"attempt": 1, "resumed_from": 73, "resumed_kind": "rescue", "rescued_over": 50},
+        {
+            "attempt": 2,
+            "resumed_from": 73,
+            "resumed_kind": "rescue",
+            "rescued_over": 50,
+        },  # died before a commit
+    ]
+    records = [{"attempt": 0, "outcome": "committed", "seconds": 0.5},
+               {"attempt": 1, "outcome": "nothing_new", "seconds": 0.0},
+               {"attempt": 2, "outcome": "written", "seconds": 0.2}]  # fmt: skip
+    s = summarize_rescues(attempts, records)
+    assert (s["count"], s["steps_saved"], s["failures"]) == (1, 23, 1)
+
+
+def test_the_grace_and_the_rescue_must_fit_before_the_agents_kill():
+    from helpers import check_config_change, compose_train
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(compose_train(["experiment=smoke"]), resolve=True)
+    check_config_change(c, {}, None)  # the defaults: 10 + 15 s
+    check_config_change(
+        c, {"checkpoint": {"rescue_timeout_s": 20.0}},
+        "trainer.signal_grace_seconds=10 + checkpoint.rescue_timeout_s=20 must be at most 25",
+    )  # fmt: skip
+    check_config_change(c, {"checkpoint": {"rescue_timeout_s": 20.0, "rescue": False}}, None)  # off: no limit
+    check_config_change(
+        c, {"checkpoint": {"rescue_timeout_s": 30.0}}, "checkpoint.rescue_timeout_s must be in (0, 25]"
+    )

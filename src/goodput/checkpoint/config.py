@@ -73,10 +73,12 @@ class CheckpointConfig:
     cases: docs/checkpointing.md "Rescue checkpoints"). false = a failure costs the work since the
     last commit. Per step it costs a copy of the model's buffers (BatchNorm statistics)."""
 
-    rescue_timeout_s: float = 20.0
+    rescue_timeout_s: float = 15.0
     """A rescue not committed within this many seconds stays uncommitted (never loaded) and the
     relaunch uses the newest regular commit. It must end before the elastic agent's SIGKILL, which
-    follows its SIGTERM to the survivors by AGENT_STOP_GRACE_S (30 s, torch's own)."""
+    follows its SIGTERM to the survivors by AGENT_STOP_GRACE_S (30 s, torch's own); a rank stuck
+    in a collective starts its rescue only when trainer.signal_grace_seconds have passed, so the
+    two together must fit (checked at compose time)."""
 
     def __post_init__(self):
         e = []

@@ -376,22 +376,21 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         committed = self.committed()  # newest first; only committed ones count
-        # A rescue is superseded by a regular commit of its step or a later one: same state or newer,
-        # written by every rank. It goes at once, outside keep_last.
+        # The best is kept while it is the best: the one this process knows, and the one the newest
+        # commit names (this process's may be newer than any commit yet, in an async save's window).
+        best = {self.best.step, (committed[0].get("best") or {}).get("step") if committed else None}
+        # A rescue is superseded by a regular commit of its step or a later one (the same state or a
+        # newer one, written by every rank): it goes at once, outside keep_last, unless it is the best.
         regular = [r["step"] for r in committed if r.get("kind", "regular") == "regular"]
         for rec in [
             r for r in committed if r.get("kind") == "rescue" and regular and r["step"] <= regular[0]
         ]:
-            log.info(
-                "retention: removing %s (a rescue superseded by step %d)",
-                self.storage.url(rec["dir"]),
-                regular[0],
-            )
+            if rec["step"] in best:
+                continue
+            log.info("retention: removing %s (a rescue superseded by step %d)", self.storage.url(rec["dir"]),
+                     regular[0])  # fmt: skip
             self.storage.rm(rec["dir"], recursive=True)
             committed.remove(rec)
-        # The best is kept while it is the best: the one this process knows, and the one the newest
-        # commit names (this process's may be newer than any commit yet, in an async save's window).
-        best = {self.best.step, (committed[0].get("best") or {}).get("step") if committed else None}
         for rec in committed[max(1, self.cfg.keep_last) :]:
             if rec["step"] == self.last_committed_step or rec["step"] in best:
                 continue  # never the one just committed, never the best

@@ -28,7 +28,6 @@ docs/checkpointing.md, "Rescue checkpoints".
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -59,6 +58,7 @@ from goodput.untrusted import RecordError, field, parse_record
 log = logging.getLogger(__name__)
 
 CLAIMS = "claims"
+DEFER_S = 0.5  # how long a shard's other holders let its lowest rank claim it first
 RECORDS = "rescues"  # beside the checkpoints: one record per rank that tried (goodput.resilience.bookkeeping)
 
 
@@ -73,19 +73,25 @@ class Writer:
 class Rescue:
     """The loop's side: where the state stands, so a failure can write the last finished step.
 
-    `boundary(step, evaluated)`: the state is whole at the end of `step` (its optimizer update,
-    schedule and EMA are done); `evaluated`: and so is its evaluation, if it has one (else a rescue
-    says so, and the relaunch evaluates that step first, as the run would have: the same metrics,
-    early-stopping counter and best). The run's parts (the loader's position, the schedule, the
-    monitors: all but the time ledger) and the model's buffers are noted here, because what
+    `boundary(step, evaluated, stop_reason)`: the state is whole at the end of `step` (its optimizer
+    update, schedule and EMA are done); `evaluated`: and so is its evaluation, if it has one (else a
+    rescue says so, and the relaunch evaluates that step first, as the run would have: the same
+    metrics, early-stopping counter and best). The run's parts (the loader's position, the schedule,
+    the monitors: all but the time ledger) and the model's buffers are noted here, because what
     follows changes them before the next update: the loader delivers the next batch, the forward
     updates BatchNorm statistics, an evaluation the monitors. The random streams need nothing:
     they are reseeded from (seed, rank, step) before every step (checkpoint.state.RNGState.at_step).
     `updating()`: the optimizer update starts, parameters are about to be half-written: no rescue
-    until the next boundary.
+    until the next boundary. On CUDA it first waits for the step's kernels: the host runs ahead,
+    and a dead NCCL peer must be noticed (a gradient all-reduce that never ends) before the update
+    is queued, not after.
 
-    `write(why)` (on a failure: any thread, no collective, bounded by `timeout_s`) writes this rank's
-    shard of the boundary state and commits it when every shard is there. Returns the outcome."""
+    On a failure (no collective; bounded by `timeout_s`), this rank writes its shard of the boundary
+    state and commits the rescue when every shard is there: `write(why)` from the main thread (its
+    loop raised), `request(why)` from another thread (the grace timer, the hang watchdog), which
+    hands the rescue to the main thread if that one reaches a step boundary or an update in time
+    (it was slow, not stuck: it must not change the state under the writer), else writes it
+    itself while the main thread, stuck, cannot. Either returns the outcome, once per process."""
 
     def __init__(self, enabled: bool, timeout_s: float, store, staging_dir: str, rank: int, world: int,
                  strategy, app, rng, model, info, attempt=lambda: 0):  # fmt: skip
@@ -95,61 +101,102 @@ class Rescue:
         self.shard, self.n_shards = group.index(rank), len(group)
         # the ranks whose per-rank state this shard's writer writes: every rank at its shard position
         self.speaks_for = [r for r in range(world) if _position(strategy, r, world) == self.shard]
+        others = set(app.rank_parts) - {"rng"}
+        if others:  # a rescue writes per-rank state for ranks it cannot ask: it must be derivable
+            raise ValueError(
+                f"per-rank parts {sorted(others)} cannot be rescued (only the RNG state is derived)"
+            )
         self.app, self.rng, self.model = app, rng, model
+        self.device = next(iter(model.parameters()), torch.empty(0)).device
         self.info, self.attempt = info, attempt  # info(): the commit record's fields (the manager's)
         self.step: int | None = None  # the boundary the state is at (None: inside an update, or not yet)
         self.reached = 0  # the newest step whose update finished
         self.since: int | None = None  # the step this attempt started from: nothing to gain at or before it
         self._parts: dict = {}
-        self._evaluated = True
-        self._buffers: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+        self._evaluated, self._stop_reason = True, None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # held while writing: the main thread waits at its next boundary
         self._result: dict | None = None
+        self._requested: str | None = None
+        self._handed = threading.Event()
 
     # -- the loop's side ---------------------------------------------------------------------------
-    def boundary(self, step: int, evaluated: bool = True) -> None:
+    def boundary(self, step: int, evaluated: bool = True, stop_reason: str | None = None) -> None:
         if not self.enabled:
             return
-        if self.since is None:
-            self.since = step
-        self.reached = step
-        # (the loader's state settles the delivered batches' hash; the ledger keeps running)
-        self._parts = {k: p.state_dict() for k, p in self.app.parts.items() if k != "ledger"}
-        with torch.no_grad():
-            self._buffers = [b.detach().clone() for b in self.model.buffers()]
-        self._evaluated = evaluated
-        self.step = step
+        with self._lock:
+            if self.since is None:
+                self.since = step
+            self.reached = step
+            # (the loader's state settles the delivered batches' hash; the ledger keeps running)
+            self._parts = {k: p.state_dict() for k, p in self.app.parts.items() if k != "ledger"}
+            self._buffers = _buffers(self.model)
+            self._evaluated, self._stop_reason = evaluated, stop_reason
+            self.step = step
+        self._safe_point()
 
     def updating(self) -> None:
-        self.step = None
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":  # the gradient sync done (or hung) before the update is queued
+            torch.cuda.synchronize(self.device)
+        self._safe_point()
+        with self._lock:
+            self.step = None
+
+    def _safe_point(self) -> None:
+        """The main thread, where the state is whole: a rescue another thread asked for is written
+        here, then the main thread waits for that thread to end the process."""
+        if self._requested is not None and threading.current_thread() is threading.main_thread():
+            self.write(self._requested)
+            self._handed.set()
+            self.park()
+
+    @staticmethod
+    def park() -> None:
+        """The main thread after writing a rescue another thread asked for: that thread ends the process."""
+        threading.Event().wait()
 
     # -- the failure's side ------------------------------------------------------------------------
     def write(self, why: str) -> dict:
-        """Write this rank's part of the boundary state (once per process: a second caller, the
-        grace timer or the watchdog while the main thread rescues, waits for the first's result)."""
+        """This rank's part of the boundary state, written once per process (a second caller gets
+        the first one's outcome)."""
         with self._lock:
             if self._result is None:
                 self._result = self._bounded(why)
             return self._result
 
+    def request(self, why: str) -> dict:
+        """`write` from a thread that is not the main thread (see the class docstring)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.write(why)
+        with self._lock:
+            if self._result is not None or not self.enabled:
+                return self._result or {"outcome": "off"}
+            self._requested = why
+        if self._handed.wait(min(5.0, self.timeout_s / 3)):
+            return self._result
+        return self.write(why)  # the main thread is stuck: while this writes, it cannot pass a boundary
+
     def _bounded(self, why: str) -> dict:
+        deadline = time.monotonic() + self.timeout_s
         t0 = time.monotonic()
         out = {"attempt": self.attempt(), "rank": self.rank, "time": time.time(), "reason": why[:500],
                "reached": self.reached, "step": self.step, "shard": self.shard}  # fmt: skip
-        if not self.enabled:
-            return {**out, "outcome": "off", "seconds": 0.0}
+        if not self.enabled or self.since is None:  # off, or failed before training (nothing to save)
+            return {**out, "outcome": "off" if not self.enabled else "not_started", "seconds": 0.0}
         if self.step is None:
             log.warning("rescue: rank %d was inside an optimizer update (parameters half-written): "
                         "nothing to rescue", self.rank)  # fmt: skip
             return self._record({**out, "outcome": "in_update", "seconds": 0.0})
-        if self.since is not None and self.step <= self.since and self._evaluated:
+        if self.step <= self.since and self._evaluated:
             return self._record({**out, "outcome": "nothing_new", "seconds": 0.0})
         box: dict = {}
-        th = threading.Thread(target=self._write, args=(self.step, box), name="rescue", daemon=True)
+        th = threading.Thread(target=self._write, args=(self.step, box, deadline), name="rescue", daemon=True)
         th.start()
-        th.join(self.timeout_s)
+        th.join(max(0.0, deadline - time.monotonic()))
         seconds = time.monotonic() - t0
-        if th.is_alive():
+        if th.is_alive() or isinstance(box.get("error"), TimeoutError):
             log.warning("rescue: rank %d did not finish step %d within checkpoint.rescue_timeout_s=%gs: "
                         "it stays uncommitted, the relaunch uses the newest regular commit",
                         self.rank, self.step, self.timeout_s)  # fmt: skip
@@ -167,28 +214,32 @@ class Rescue:
             log.warning("rescue: rank %d: step %d %s", self.rank, self.step, rec["outcome"].replace("_", " "))
         return self._record(rec)
 
-    def _write(self, step: int, box: dict) -> None:
-        info = self.info if self._evaluated else lambda: {**self.info(), "evaluate_first": True}
+    def _write(self, step: int, box: dict, deadline: float) -> None:
+        extra = {"evaluate_first": True} if not self._evaluated else {}
+        if self._stop_reason is not None:  # the run stopped at this step (early stopping): it stays stopped
+            extra["stop_reason"] = self._stop_reason
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread's current device is cuda:0
+            defer = 0.0 if self.rank == self.speaks_for[0] else DEFER_S
             box.update(write_shard(self.store, self.staging_dir, step, self.shard, self.n_shards,
-                                   self.rank, self.world, self.state(step), info))  # fmt: skip
+                                   self.rank, self.world, self.state(step), lambda: {**self.info(), **extra},
+                                   deadline, defer))  # fmt: skip
         except BaseException as e:  # CheckpointException derives from BaseException
             box["error"] = e
 
     def state(self, step: int) -> dict:
-        """The state dict at the boundary after `step`, tensors on the host, with this shard's
-        per-rank entries for every rank it speaks for. No collective; the live state is put back to
-        the boundary first (the process exits after the rescue)."""
+        """The state dict at the boundary after `step`, on the host: the model's buffers and the
+        run's parts as noted there, this shard's per-rank entries for every rank it speaks for.
+        No collective, nothing written into the live state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        # On CUDA, on a stream of its own: after an NCCL failure the default stream may wait forever
-        # behind a collective (what is queued behind it never runs: nothing overwrites this copy).
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for live, saved in zip(self.model.buffers(), self._buffers):
-                live.copy_(saved)
         rank_parts = {r: {"rng": self.rng.derived(r, step)} for r in self.speaks_for}
         sd = self.app.state_dict(StateDictOptions(), parts=self._parts, rank_parts=rank_parts)
+        sd["model"] = {**sd["model"], **{k: v for k, v in self._buffers.items() if k in sd["model"]}}
+        # On CUDA, on a stream of its own: after an NCCL failure the default stream may wait forever
+        # behind a collective (and what is queued behind it never runs).
+        stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         return _to_host(sd, stream)
 
     def _record(self, rec: dict) -> dict:
@@ -200,6 +251,17 @@ class Rescue:
         th.start()
         th.join(timeout=5.0)
         return rec
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    """The model's buffers by their state-dict key (a wrapper's prefix, DDP's `module.`, compile's
+    `_orig_mod.`, taken off as get_model_state_dict does), copied."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # torch's own name mapping
+
+    with torch.no_grad():
+        return {
+            fqn: b.detach().clone() for name, b in model.named_buffers() for fqn in _get_fqns(model, name)
+        }
 
 
 def _position(strategy, rank: int, world: int) -> int:
@@ -214,38 +276,35 @@ def _quietly(fn, *args) -> None:
 
 
 def _to_host(sd, stream):
-    """Tensors copied to host memory on `stream` (CUDA; None: on the CPU already)."""
+    """Tensors (DTensors too: their shard) copied to host memory on `stream` (CUDA; None: the
+    tensors are on the CPU already)."""
     if stream is None:
         return sd
-    from torch.distributed.tensor import DTensor
-
-    def host(t):
-        if isinstance(t, DTensor):
-            local = host(t.to_local())
-            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())  # fmt: skip
-        if torch.is_tensor(t) and t.device.type != "cpu":
-            with torch.cuda.stream(stream):
-                out = t.detach().to("cpu")
-            stream.synchronize()
-            return out
-        return t
 
     def walk(tree):
-        return {k: walk(v) for k, v in tree.items()} if isinstance(tree, dict) else host(tree)
+        if isinstance(tree, dict):
+            return {k: walk(v) for k, v in tree.items()}
+        return tree.detach().to("cpu") if torch.is_tensor(tree) and tree.device.type != "cpu" else tree
 
-    return walk(sd)
+    with torch.cuda.stream(stream):
+        out = walk(sd)
+    stream.synchronize()
+    return out
 
 
 # -- the store's side: claims, shards, the commit ----------------------------------------------------
 def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, rank: int, world: int,
-                sd: dict, info) -> dict:  # fmt: skip
+                sd: dict, info, deadline: float = float("inf"), defer_s: float = 0.0) -> dict:  # fmt: skip
     """Write shard `shard` of `n_shards` of the rescue of `step` (no collective), and commit the
     rescue if every shard is there. Returns {"outcome": ...}: `committed`, `written` (another
-    rank commits), `claimed_by_another`, `already_committed`."""
+    rank commits), `claimed_by_another`, `already_committed`. Past `deadline` (time.monotonic) it
+    commits nothing: TimeoutError. `defer_s`: wait that long before claiming (a rank that is not
+    the lowest holding its shard: under ddp the lowest's BatchNorm statistics are the ones the next
+    step would have used, DDP broadcasts rank 0's)."""
     rel = step_dir(step, rescue=True)
     if store.exists(f"{step_dir(step)}/{COMMIT}") or store.exists(f"{rel}/{COMMIT}"):
         return {"outcome": "already_committed"}
+    time.sleep(defer_s)
     me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
     if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
         return {"outcome": "claimed_by_another"}
@@ -257,9 +316,10 @@ def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, r
     present = store.ls(f"{rel}/{RANKS}")
     if not all(f"rescue-{s}.json" in present for s in range(n_shards)):
         return {"outcome": "written"}
+    _in_time(deadline)
     if not store.create_exclusive(f"{rel}/{CLAIMS}/commit.json", me):
         return {"outcome": "written"}
-    commit(store, local, rel, step, n_shards, world, info())
+    commit(store, local, rel, step, n_shards, world, info(), deadline)
     return {"outcome": "committed"}
 
 
@@ -314,7 +374,13 @@ def parse_rescue_manifest(data: bytes, shard: int) -> dict:
     return rec
 
 
-def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, info: dict) -> None:
+def _in_time(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError("checkpoint.rescue_timeout_s passed: committing nothing")
+
+
+def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, info: dict,
+           deadline: float = float("inf")) -> None:  # fmt: skip
     """Merge every shard's metadata into `.metadata` and write COMMIT.json (exclusive)."""
     from goodput.checkpoint.backends import load_metadata
 
@@ -338,6 +404,7 @@ def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, in
     files[".metadata"] = _put(store, local, rel, ".metadata")  # DCP's own marker: after every shard
     fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": newest_regular(store, step)}
     record = commit_record(step, Writer(), world, files, {**info, **fields})
+    _in_time(deadline)
     if not store.create_exclusive(f"{rel}/{COMMIT}", record):
         raise FileExistsError(f"{store.url(rel)}: committed by another rank meanwhile")
 

@@ -316,16 +316,18 @@ def summarize_rescues(attempts: list[dict], records: list[dict]) -> dict:
     """summary.json's `rescues`: `count` restarts that resumed from a rescue, `steps_saved` (each
     one's step minus the regular commit the restart would have used instead), `failures` failed
     attempts whose rescue was tried and did not commit, `outcomes` per failed attempt."""
-    resumed = [a for a in attempts if a.get("resumed_kind") == "rescue"]
+    # one rescue may be resumed twice (the restart after it failed before any commit): counted once
+    resumed = {a["resumed_from"]: a for a in attempts if a.get("resumed_kind") == "rescue"}
     outcomes: dict[int, list[str]] = {}
     for r in records:
         outcomes.setdefault(r["attempt"], []).append(r["outcome"])
-    rescued = {a["attempt"] - 1 for a in resumed}
-    tried = ("timed_out", "failed", "written", "committed")
-    failures = [n for n, o in outcomes.items() if n not in rescued and any(x in tried for x in o)]
+    tried, landed = ("timed_out", "failed", "written"), ("committed", "already_committed")
+    failures = [
+        n for n, o in outcomes.items() if any(x in tried for x in o) and not any(x in landed for x in o)
+    ]
     return {
         "count": len(resumed),
-        "steps_saved": sum(max(0, a["resumed_from"] - a.get("rescued_over", 0)) for a in resumed),
+        "steps_saved": sum(max(0, step - a.get("rescued_over", 0)) for step, a in resumed.items()),
         "failures": len(failures),
         "seconds": round(sum(float(r["seconds"]) for r in records), 4),
         "outcomes": {str(n): sorted(set(o)) for n, o in sorted(outcomes.items())},

@@ -189,7 +189,7 @@ class Trainer:
         # loop marks the step boundaries, the step the update's start, the worker calls it.
         attempt = lambda: self.goodput.restarts  # noqa: E731  # numbered once the attempt begins
         self.rescue = self.ckpt.rescuer(strategy, self.app, self.rng, self.model, attempt)
-        self.watchdog.last_words = self.rescue.write  # a hung rank's state may be whole: rescue first
+        self.watchdog.last_words = self.rescue.request  # a hung rank's state may be whole: rescue first
         self.evaluate_first = False  # set by the worker when a rescue says its step's evaluation is due
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,

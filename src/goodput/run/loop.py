@@ -35,7 +35,7 @@ def train(t) -> dict:
     log_every = max(1, tr.log_every_n_steps)
     eval_every = tr.eval_every_n_steps
     # A rank stuck past the grace (a peer died inside a collective) rescues the last finished step first
-    stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.write)
+    stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.request)
     progress = Progress(tr.progress, tr.progress_every_s, t.loader.step, max_steps, d.rank)
 
     step = t.loader.step
@@ -62,7 +62,7 @@ def train(t) -> dict:
             progress.evaluated(step, metrics)
             t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
             early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
-            t.rescue.boundary(step, evaluated=True)
+            t.rescue.boundary(step, evaluated=True, stop_reason="early_stopping" if early else None)
 
         stopping = stop.agreed(d.world)
         info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
