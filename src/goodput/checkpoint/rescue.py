@@ -166,15 +166,18 @@ class Rescue:
                 self._result = self._bounded(why)
             return self._result
 
-    def request(self, why: str) -> dict:
-        """`write` from a thread that is not the main thread (see the class docstring)."""
+    def request(self, why: str, handoff_s: float | None = None) -> dict:
+        """`write` from a thread that is not the main thread (see the class docstring). `handoff_s`:
+        how long the main thread may take to reach a boundary (default: a third of the timeout, at
+        most 5 s; 0 when it is known to be stuck, as when the hang watchdog fires)."""
         if threading.current_thread() is threading.main_thread():
             return self.write(why)
         with self._lock:
             if self._result is not None or not self.enabled:
                 return self._result or {"outcome": "off"}
             self._requested = why
-        if self._handed.wait(min(5.0, self.timeout_s / 3)):
+        handoff_s = min(5.0, self.timeout_s / 3) if handoff_s is None else handoff_s
+        if handoff_s > 0 and self._handed.wait(handoff_s):
             return self._result
         return self.write(why)  # the main thread is stuck: while this writes, it cannot pass a boundary
 

@@ -7,6 +7,7 @@ Every function here takes the typed config (goodput.config.Config) and returns o
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 
@@ -189,7 +190,8 @@ class Trainer:
         # loop marks the step boundaries, the step the update's start, the worker calls it.
         attempt = lambda: self.goodput.restarts  # noqa: E731  # numbered once the attempt begins
         self.rescue = self.ckpt.rescuer(strategy, self.app, self.rng, self.model, attempt)
-        self.watchdog.last_words = self.rescue.request  # a hung rank's state may be whole: rescue first
+        # a hung rank's state may be whole: rescue it first (the main thread is stuck: no hand-over)
+        self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
         self.evaluate_first = False  # set by the worker when a rescue says its step's evaluation is due
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
