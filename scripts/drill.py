@@ -51,6 +51,7 @@ PRESETS = {  # a realistic ratio: failures every ~60 s, restarts cheap enough th
         "mtbf": 5.0,
         "kills": 26,
         "variants": RESCUE,
+        "clean_variants": {"clean, no rescue": ["checkpoint.rescue=false"]},  # what noting boundaries costs
         "overrides": [
             "parallel=ddp",
             "checkpoint=dcp_async",
@@ -80,6 +81,11 @@ PRESETS = {  # a realistic ratio: failures every ~60 s, restarts cheap enough th
         ],
     },
 }
+
+
+def slug(label: str) -> str:
+    """A variant's label as a run name (Hydra reads commas in an override as a sweep)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
 def run(root: str, name: str, overrides: list[str]) -> dict:
@@ -219,13 +225,17 @@ def main() -> None:
     print(f"clean run ({' '.join(a.overrides) or 'defaults'}) ...", flush=True)
     clean = run(a.root, f"drill-{tag}/clean", [*a.overrides, f"seed={a.seed}"])
     rows = [row("clean", clean, None)]
+    for label, extra in (PRESETS[a.preset].get("clean_variants", {}) if a.preset else {}).items():
+        print(f"{label} ...", flush=True)
+        s = run(a.root, f"drill-{tag}/{slug(label)}", [*a.overrides, *extra, f"seed={a.seed}"])
+        rows.append(row(label, s, clean))
     phases, recovery, lost = [], {}, {}
     for label, extra in variants.items():
         hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
         if a.hang_mtbf:
             hang = f", hangs at {a.hang_site} with mean {a.hang_mtbf:g}s (at most {a.hangs})"
         print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
-        s = run(a.root, f"drill-{tag}/{label}", [*a.overrides, *extra, *faults, f"seed={a.seed}"])
+        s = run(a.root, f"drill-{tag}/{slug(label)}", [*a.overrides, *extra, *faults, f"seed={a.seed}"])
         rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
         phases.append(phase_table(label, s))
         recovery[label] = s.get("recovery")

@@ -126,6 +126,7 @@ def test_drill_script_knows_hangs():
         [sys.executable, "scripts/drill.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     assert "--hang" in out
+    assert "rescue" in out and "rescue60" in out  # the presets of docs/benchmarks.md's rescue tables
 
 
 def test_commit_timeout_must_fit_the_time_interval():

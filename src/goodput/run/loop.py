@@ -98,6 +98,7 @@ def train(t) -> dict:
         t2 = time.perf_counter()
         evaluating = bool(eval_every and step % eval_every == 0) or step == max_steps
         t.rescue.boundary(step, evaluated=not evaluating)  # the update is done: a rescue may write it
+        t.goodput.add("checkpoint", time.perf_counter() - t2)  # what noting the boundary costs
 
         t.goodput.add("fetch", t1 - t0)
         t.goodput.add("compile", compiling)
