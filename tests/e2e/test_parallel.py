@@ -34,12 +34,12 @@ def two_rank_runs(tmp_path_factory):
     tests check them, and the resume tests start from copies of them (each is a 2-rank job start)."""
     cache = {}
 
-    def get(strategy: str, backend: str):
-        if (strategy, backend) not in cache:
+    def get(strategy: str, backend: str, *more: str):
+        if (strategy, backend, *more) not in cache:
             root = tmp_path_factory.mktemp(f"{strategy}-{backend}")
-            p, s = run_train(root, f"parallel={strategy}", f"checkpoint={backend}")
-            cache[strategy, backend] = root, p, s
-        return cache[strategy, backend]
+            p, s = run_train(root, f"parallel={strategy}", f"checkpoint={backend}", *more)
+            cache[strategy, backend, *more] = root, p, s
+        return cache[strategy, backend, *more]
 
     return get
 
@@ -130,6 +130,22 @@ def test_resume_on_another_world_size_or_strategy(
         gap = weight_gap(final_weights(ckpt_dir(tmp_path)), final_weights(ddp_reference["checkpoint_dir"]))
         print(f"{first} -> {second} ({backend}): largest relative weight difference {gap:.2e}")
         assert gap < WEIGHT_RTOL, gap
+
+
+@pytest.mark.parametrize("backend", ["dcp_sync", "dcp_async"])
+def test_a_ddp_resume_continues_from_rank_0s_batchnorm_statistics(tmp_path, two_rank_runs, backend):
+    """DDP broadcasts rank 0's buffers at each forward, then each rank updates its own copy: at a
+    commit the ranks hold different BatchNorm statistics and the next step uses rank 0's. DCP's
+    default planner wrote each from whichever rank had less to write (rank 1's for 36 of
+    ResNet-18's 60 at step 8), and the resume ended on another model; the buffers are now written
+    from rank 0 (backends.LowestRankSavePlanner), the parameters still spread over both ranks."""
+    run = two_rank_runs("ddp", backend, "model=resnet18")
+    stopped_at_step_8(run, tmp_path)
+    _, s = run_train(tmp_path, "parallel=ddp", f"checkpoint={backend}", "model=resnet18")
+    assert s["resumed_from_steps"] == [8]
+    assert s["model_sha256"] == run[2]["model_sha256"]
+    commit = json.loads((ckpt_dir(tmp_path) / "step-000000008" / "COMMIT.json").read_text())
+    assert {f for f in commit["files"] if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
 
 
 def test_weight_check_rejects_a_resume_that_loaded_no_weights(tmp_path, two_rank_runs, ddp_reference):

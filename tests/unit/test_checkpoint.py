@@ -344,3 +344,33 @@ def test_every_save_and_the_last_wait_are_phases(tmp_path, dist1):
     mgr.close()
     assert seen[:3] == ["checkpoint save of step 1", "checkpoint save of step 2",
                         "waiting for the last checkpoint upload"]  # fmt: skip
+
+
+def test_the_planner_writes_the_buffers_from_the_lowest_rank_and_spreads_the_rest():
+    """Two ranks' plans over the same replicated entries: every key in `keys` is written by rank 0,
+    the other replicated tensors by both ranks (DCP's load balancing), and a chunk at another
+    offset (a shard of a tensor) by the rank that holds it."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from goodput.checkpoint.backends import LowestRankSavePlanner, lowest_rank_keeps
+
+    sd = {f"model.w{i}": torch.ones(8) for i in range(6)}
+    sd |= {f"model.bn{i}.running_mean": torch.ones(8) for i in range(6)}
+    keys = frozenset(k for k in sd if "running" in k)
+    planners = [LowestRankSavePlanner(keys) for _ in range(2)]
+    for r, p in enumerate(planners):
+        p.set_up_planner(sd, is_coordinator=r == 0)
+    plans = [p.create_local_plan() for p in planners]
+    global_plan, _ = planners[0].create_global_plan(plans)
+    written = [{i.index.fqn for i in p.items} for p in global_plan]
+    assert keys <= written[0] and not keys & written[1]
+    assert written[0] - keys and written[1]  # the weights still spread over both ranks
+    assert set().union(*written) == set(sd) and not written[0] & written[1]
+
+    shard = plans[1].items[0]
+    shard = dataclasses.replace(shard, index=MetadataIndex(shard.index.fqn, torch.Size([8])))
+    keys = frozenset({shard.index.fqn})
+    kept = lowest_rank_keeps([plans[0], dataclasses.replace(plans[1], items=[shard])], keys)
+    assert kept[1].items == [shard]

@@ -8,6 +8,7 @@ complete. Sync backends return finished work; `dcp_async` returns real futures.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -177,6 +179,35 @@ def _flat(tree, prefix: str):
         yield prefix, tree
 
 
+# -- where replicated entries are written ------------------------------------------------------
+def lowest_rank_keeps(all_plans: list, keys: frozenset[str]) -> list:
+    """`all_plans` (one SavePlan per rank, in rank order) with every write item whose key is in
+    `keys` left only in the plan of the lowest rank that holds it. Items are matched by their whole
+    index (key and offset), so a sharded tensor's chunks stay with their ranks."""
+    seen: set = set()
+    out = []
+    for plan in all_plans:
+        items = [i for i in plan.items if i.index.fqn not in keys or i.index not in seen]
+        seen.update(i.index for i in plan.items if i.index.fqn in keys)
+        out.append(dataclasses.replace(plan, items=items))
+    return out
+
+
+class LowestRankSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that the entries named in `keys` are written by the lowest
+    rank holding them. The default planner writes each replicated entry from whichever rank has
+    planned the fewest bytes so far (spreading the write over the ranks); that is right for entries
+    equal on every rank and wrong for ones that differ (the buffers: AppState.buffer_keys). Those
+    are taken out of the other ranks' plans first; everything else is spread as before."""
+
+    def __init__(self, keys: frozenset[str] = frozenset()):
+        super().__init__()
+        self.keys = frozenset(keys)
+
+    def create_global_plan(self, all_plans):
+        return super().create_global_plan(lowest_rank_keeps(all_plans, self.keys))
+
+
 # -- backends ---------------------------------------------------------------------------------
 class TorchSave:
     """Rank 0 gathers the full state and writes one file synchronously: the baseline."""
@@ -186,7 +217,10 @@ class TorchSave:
     is_async = False
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-    def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
+    def save(
+        self, sd: dict, local_dir: str, rank: int, world: int, pg, from_lowest_rank: frozenset = frozenset()
+    ) -> Pending:
+        """`from_lowest_rank`: unused, rank 0 writes everything (its own buffers among it)."""
         rank_key = f"rank{rank}"
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(sd[rank_key], gathered, dst=0, group=pg)
@@ -234,8 +268,14 @@ class DCPSync:
     def _writer(self, local_dir: str) -> FileSystemWriter:
         return FileSystemWriter(local_dir, sync_files=True, overwrite=False)
 
-    def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
-        dcp.save(sd, storage_writer=self._writer(local_dir), process_group=pg)
+    def save(
+        self, sd: dict, local_dir: str, rank: int, world: int, pg, from_lowest_rank: frozenset = frozenset()
+    ) -> Pending:
+        """`from_lowest_rank`: the flattened keys that every rank holds whole but not equal (the
+        buffers, AppState.buffer_keys), written from the lowest rank; other replicated entries are
+        spread over the ranks."""
+        planner = LowestRankSavePlanner(from_lowest_rank)
+        dcp.save(sd, storage_writer=self._writer(local_dir), planner=planner, process_group=pg)
         return Pending()
 
     def rank_files(self, local_dir: str, rank: int) -> list[str]:
@@ -291,7 +331,9 @@ class DCPAsync(DCPSync):
         )
         return DefaultStager(opts)
 
-    def save(self, sd: dict, local_dir: str, rank: int, world: int, pg) -> Pending:
+    def save(
+        self, sd: dict, local_dir: str, rank: int, world: int, pg, from_lowest_rank: frozenset = frozenset()
+    ) -> Pending:
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         if self._stager is None:  # reused: keeps one staging buffer instead of allocating per save
@@ -299,6 +341,7 @@ class DCPAsync(DCPSync):
         resp = dcp.async_save(
             sd,
             storage_writer=self._writer(local_dir),
+            planner=LowestRankSavePlanner(from_lowest_rank),
             process_group=pg,
             async_checkpointer_type=self.async_type,
             async_stager=self._stager,

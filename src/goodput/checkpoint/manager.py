@@ -165,7 +165,7 @@ class CheckpointManager:
             )
         sd = app.state_dict(self.backend.options)
         try:
-            pending = self.backend.save(sd, local, self.rank, self.world, self.pg)
+            pending = self.backend.save(sd, local, self.rank, self.world, self.pg, app.buffer_keys())
         except BaseException as e:  # CheckpointException derives from BaseException
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise

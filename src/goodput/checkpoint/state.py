@@ -1,7 +1,8 @@
 """What a checkpoint holds, as one state dict of tensors only.
 
 Layout (FQNs after DCP flattening):
-    model.*            model weights (sharded under FSDP for DCP; full for torch_save)
+    model.*            model weights (sharded under FSDP for DCP; full for torch_save); its
+                       buffers written from rank 0 (AppState.buffer_keys)
     <module>.*         other modules' tensors registered with `register_module` (the EMA weights:
                        `ema.module.*`, `ema.n_averaged`), sharded and loaded in place like the model
     optim.state.*      optimizer state tensors, FQN-keyed (resharding-safe)
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -185,6 +187,20 @@ class AppState:
         if name in ("model", "optim", "extra") or name.startswith("rank"):
             raise ValueError(f"{name!r} is a reserved checkpoint group")
         self.modules[name] = module
+
+    def buffer_keys(self) -> frozenset[str]:
+        """The checkpoint keys (flattened: `model.<fqn>`, `<module>.<fqn>`) of the model's and the
+        registered modules' buffers. Every rank holds them whole, but not equal: DDP broadcasts rank
+        0's buffers at each forward, then each rank updates its copy with its own batch (BatchNorm's
+        statistics), so at a step boundary the value the next step uses is rank 0's. A checkpoint
+        writes them from rank 0 (the DCP backends' planner), as torch_save and model_sha256 do."""
+        groups = {"model": self.model, **self.modules}
+        return frozenset(
+            f"{group}.{fqn}"
+            for group, m in groups.items()
+            for name, _ in m.named_buffers()
+            for fqn in _get_fqns(m, name)
+        )
 
     def _module_sds(self, options: StateDictOptions) -> dict:
         return {k: get_model_state_dict(m, options=options) for k, m in self.modules.items()}
