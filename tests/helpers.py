@@ -215,12 +215,15 @@ def process_state_kept():
 
     import torch
 
+    from goodput import logs
+
     root = logging.getLogger()
     saved = (
         torch.get_num_threads(),
         torch.are_deterministic_algorithms_enabled(),
         root.level,
         root.handlers[:],
+        logs._who,  # the worker's rank in every line (`rank0`); later tests log as the job again
     )
     try:
         yield
@@ -229,6 +232,7 @@ def process_state_kept():
         torch.use_deterministic_algorithms(saved[1])
         root.setLevel(saved[2])
         root.handlers[:] = saved[3]
+        logs._who = saved[4]
 
 
 def run_job_here(root, *overrides, run_dir=None):

@@ -286,7 +286,8 @@ def test_the_checkpoint_node_reaches_the_manager_whole(tmp_path):
     c = _config(tmp_path, [
         "checkpoint=dcp_sync", "checkpoint.every_n_steps=7", "checkpoint.every_n_minutes=30",
         "checkpoint.keep_last=4", "checkpoint.on_error=continue", "checkpoint.commit_timeout_s=12",
-        "checkpoint.keep_best_by=val/accuracy", "checkpoint.keep_best_mode=min",
+        "checkpoint.keep_best_by=val/accuracy", "checkpoint.keep_best_mode=min", "checkpoint.rescue=false",
+        "checkpoint.rescue_timeout_s=9",
     ])  # fmt: skip
     mgr = build.checkpoint_manager(validate(c))
     for f in dataclasses.fields(CheckpointConfig):

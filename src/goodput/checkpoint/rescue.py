@@ -113,7 +113,7 @@ class Rescue:
         self.reached = 0  # the newest step whose update finished
         self.since: int | None = None  # the step this attempt started from: nothing to gain at or before it
         self._parts: dict = {}
-        self._evaluated, self._stop_reason = True, None
+        self._evaluated, self._stop_reason, self._time = True, None, 0.0
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()  # held while writing: the main thread waits at its next boundary
         self._result: dict | None = None
@@ -132,6 +132,7 @@ class Rescue:
             self._parts = {k: p.state_dict() for k, p in self.app.parts.items() if k != "ledger"}
             self._buffers = _buffers(self.model)
             self._evaluated, self._stop_reason = evaluated, stop_reason
+            self._time = time.time()
             self.step = step
         self._safe_point()
 
@@ -218,7 +219,9 @@ class Rescue:
         return self._record(rec)
 
     def _write(self, step: int, box: dict, deadline: float) -> None:
-        extra = {"evaluate_first": True} if not self._evaluated else {}
+        # `time`: when the state was whole (a regular commit's: when it was saved). The restart adds the
+        # stalls detected after it to the ledger, which holds none of them (a hang before this rescue)
+        extra = {"time": self._time, **({"evaluate_first": True} if not self._evaluated else {})}
         if self._stop_reason is not None:  # the run stopped at this step (early stopping): it stays stopped
             extra["stop_reason"] = self._stop_reason
         try:
