@@ -115,6 +115,7 @@ class Rescue:
         self._parts: dict = {}
         self._evaluated, self._stop_reason, self._time = True, None, 0.0
         self._buffers: dict[str, torch.Tensor] = {}
+        self._keys: dict[str, str] | None = None
         self._lock = threading.Lock()  # held while writing: the main thread waits at its next boundary
         self._result: dict | None = None
         self._requested: str | None = None
@@ -130,7 +131,8 @@ class Rescue:
             self.reached = step
             # (the loader's state settles the delivered batches' hash; the ledger keeps running)
             self._parts = {k: p.state_dict() for k, p in self.app.parts.items() if k != "ledger"}
-            self._buffers = _buffers(self.model)
+            with torch.no_grad():
+                self._buffers = {key: b.detach().clone() for key, b in self._named_buffers()}
             self._evaluated, self._stop_reason = evaluated, stop_reason
             self._time = time.time()
             self.step = step
@@ -144,6 +146,12 @@ class Rescue:
         self._safe_point()
         with self._lock:
             self.step = None
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(state-dict key, live buffer) of the model; the key mapping is worked out once."""
+        if self._keys is None:
+            self._keys = _buffer_keys(self.model)
+        return [(self._keys[name], b) for name, b in self.model.named_buffers() if name in self._keys]
 
     def _safe_point(self) -> None:
         """The main thread, where the state is whole: a rescue another thread asked for is written
@@ -259,15 +267,12 @@ class Rescue:
         return rec
 
 
-def _buffers(model) -> dict[str, torch.Tensor]:
-    """The model's buffers by their state-dict key (a wrapper's prefix, DDP's `module.`, compile's
-    `_orig_mod.`, taken off as get_model_state_dict does), copied."""
+def _buffer_keys(model) -> dict[str, str]:
+    """named_buffers name -> state-dict key of the model's buffers: a wrapper's prefix (DDP's
+    `module.`, compile's `_orig_mod.`) taken off as get_model_state_dict does."""
     from torch.distributed.checkpoint.state_dict import _get_fqns  # torch's own name mapping
 
-    with torch.no_grad():
-        return {
-            fqn: b.detach().clone() for name, b in model.named_buffers() for fqn in _get_fqns(model, name)
-        }
+    return {name: fqn for name, _ in model.named_buffers() for fqn in _get_fqns(model, name)}
 
 
 def _position(strategy, rank: int, world: int) -> int:
