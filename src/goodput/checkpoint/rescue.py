@@ -235,7 +235,8 @@ class Rescue:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread's current device is cuda:0
-            defer = 0.0 if self.rank == self.speaks_for[0] else DEFER_S
+            # the lowest holder first, where it matters: a model with buffers (DDP's are rank 0's)
+            defer = DEFER_S if self._buffers and self.rank != self.speaks_for[0] else 0.0
             box.update(write_shard(self.store, self.staging_dir, step, self.shard, self.n_shards,
                                    self.rank, self.world, self.state(step), lambda: {**self.info(), **extra},
                                    deadline, defer))  # fmt: skip
