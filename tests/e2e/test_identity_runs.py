@@ -95,8 +95,9 @@ def test_an_unfinished_run_and_the_same_command_with_another_lr_is_a_new_run(tmp
     was not). The drill's fault.* key is not in the second command: not an identity key, it would
     stop that run too."""
     root = tmp_path / "out"
-    stopped, _ = run_train(root, "fault.kill_at_step=6", expect_rc=-9)
-    p, s = run_train(root, "optim.optimizer.lr=0.05")
+    # dcp_sync: the step-4 commit is whole before the kill (an async one may still be in flight)
+    stopped, _ = run_train(root, "fault.kill_at_step=6", "checkpoint=dcp_sync", expect_rc=-9)
+    p, s = run_train(root, "optim.optimizer.lr=0.05", "checkpoint=dcp_sync")
     ckpts = sorted(os.listdir(root / "checkpoints"))
     assert len(ckpts) == 2 and os.path.basename(s["checkpoint_dir"]) in ckpts
     (old,) = [n for n in ckpts if n != os.path.basename(s["checkpoint_dir"])]
