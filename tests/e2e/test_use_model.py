@@ -192,7 +192,8 @@ def test_init_from_starts_a_new_run_from_the_weights_and_a_relaunch_resumes_its_
     shutil.copytree(s["checkpoint_dir"], source)
     # a synchronous backend: the step-4 commit is whole before the kill at step 6 (dcp_async's may
     # still be in flight on a loaded machine, and then the relaunch has nothing of its own)
-    cfg = [f"run.init_from={source}", "optim.optimizer.lr=0.0", "fault.kill_at_step=6", "checkpoint=torch_save"]
+    cfg = [f"run.init_from={source}", "optim.optimizer.lr=0.0", "fault.kill_at_step=6"]
+    cfg.append("checkpoint=torch_save")
     first, _ = run_train(tmp_path / "new", *cfg, expect_rc=-9)
     assert f"run.init_from: the model starts from {source}/step-000000012 (step 12)" in first.stderr
     shutil.rmtree(source)
