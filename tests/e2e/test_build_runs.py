@@ -51,6 +51,29 @@ def test_process_start_includes_the_imports():
     assert 0 <= before_first_statement < 1.0, p.stderr[-500:]
 
 
+def test_process_start_stays_put_when_the_wall_clock_steps_and_a_fork_has_its_own(monkeypatch):
+    """The start is a difference of the wall clock and the uptime clock: worked out again after the
+    wall clock stepped (NTP, a paused VM), it moved by the step (the earlier test failed in CI with
+    the start 43 s after this module's import). A child forked later (the forkserver's workers)
+    still gets its own start, not its parent's."""
+    import os
+
+    before, real = process_start(), time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # the wall clock steps an hour ahead
+    assert process_start() == before
+    monkeypatch.undo()
+    r, w = os.pipe()
+    forked = time.time()
+    pid = os.fork()
+    if pid == 0:  # the child: its start, then out without pytest's teardown
+        os.write(w, repr(process_start()).encode())
+        os._exit(0)
+    os.close(w)
+    child = float(os.read(r, 64))
+    os.waitpid(pid, 0)
+    assert forked - 0.02 <= child <= time.time() + 0.02  # the kernel counts in 10 ms ticks
+
+
 # -- a dataset class by _target_ -------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_dataset_class_by_target_on_the_entry_point(tmp_path, smoke_reference):

@@ -56,9 +56,20 @@ def restart_round() -> int:
 
 def process_start() -> float:
     """Wall-clock time at which this process started, so start-up includes the interpreter and
-    every import (torch alone takes seconds). Linux: the kernel's start time of the process, taken
-    relative to the uptime clock (both in 10 ms ticks; /proc/stat's boot time is whole seconds).
-    Elsewhere: psutil when installed, else the time goodput was first imported."""
+    every import (torch alone takes seconds). Worked out once per process, as early as it can be
+    (when this module is imported, or at the first call in a child forked after that): it is a
+    difference between the wall clock and the kernel's uptime clock, and those two step apart (NTP,
+    a VM paused or migrated), so one worked out later strays by every step since."""
+    pid = os.getpid()
+    if _START[0] != pid:  # a forked child (the forkserver's workers) has its own start
+        _START[:] = [pid, _kernel_start()]
+    return _START[1]
+
+
+def _kernel_start() -> float:
+    """Linux: the kernel's start time of the process, taken relative to the uptime clock (both in
+    10 ms ticks; /proc/stat's boot time is whole seconds). Elsewhere: psutil when installed, else
+    the time goodput was first imported."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
@@ -76,6 +87,8 @@ def process_start() -> float:
 
 
 _IMPORTED = time.time()
+_START: list = [None, None]  # [pid, start]
+process_start()
 
 
 class Ledger:
