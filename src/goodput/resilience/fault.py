@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -143,7 +144,8 @@ class Faults:
         self.kill_at_step, self.kill_during_save = kill_at_step, kill_during_save
         self.kill_in_step, self.raise_at_step = kill_in_step, raise_at_step
         self._random_kill_at, self._attempt = None, 0
-        self._chaos, self._chaos_p = None, 0.0
+        self._chaos, self._chaos_p, self._chaos_seen = None, 0.0, {}
+        self._chaos_lock = threading.Lock()
         self.step = 0
         self.hang_at_step, self.hang_site, self.hang_rank = None, "step", 0
         self._hang_mtbf, self._max_hangs, self._hang_at_time = None, 0, None
@@ -271,15 +273,22 @@ class Faults:
 
     def site(self, name: str) -> None:
         """Chaos drills: at each named point (step, save, staged, upload, commit, retention) die with
-        probability `chaos_p`, from an RNG seeded by (chaos_seed, attempt): repeatable kill points."""
-        if self._chaos is not None and self._chaos.random() < self._chaos_p:
+        probability `chaos_p`. The n-th visit of a site in an attempt draws from its own RNG, seeded
+        by (chaos_seed, attempt, site, n): one shared stream would make the loop's draws depend on
+        how far an async save's thread had got, and the kill points vary from run to run."""
+        with self._chaos_lock:  # the loop and an async save's thread both reach sites
+            if self._chaos is None:
+                return
+            n = self._chaos_seen[name] = self._chaos_seen.get(name, 0) + 1
+            if random.Random(f"{self._chaos}:{name}:{n}").random() >= self._chaos_p:
+                return
             self._chaos = None  # one kill per attempt
-            self._fire(f"chaos-attempt{self._attempt}-{name}")
+        self._fire(f"chaos-attempt{self._attempt}-{name}")
 
     def arm_chaos(self, p: float, seed: int, max_kills: int, attempt: int) -> None:
         self._attempt = attempt
         if p and attempt < max_kills and self.rank == self.target_rank:
-            self._chaos, self._chaos_p = random.Random(seed * 7_919 + attempt), p
+            self._chaos, self._chaos_p, self._chaos_seen = f"chaos:{seed}:{attempt}", p, {}
 
     def arm_random(self, mtbf_seconds: float | None, max_kills: int, seed: int, attempt: int) -> None:
         """Kill this attempt after an exponential time with mean `mtbf_seconds`, seeded by (seed,
