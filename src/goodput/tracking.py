@@ -404,6 +404,10 @@ def system_monitor(uri: str, run_id: str, interval_s: float):
 
 
 class Tracker:
+    """Rank 0's MLflow writer. Everything it sends goes through one queue, written in order by a
+    daemon thread, which is also where the client is opened (a second or so for a SQLite store) and
+    the run set RUNNING again: a restart's first step never waits for the tracking store."""
+
     def __init__(
         self,
         uri: str | None,
@@ -416,18 +420,36 @@ class Tracker:
         self._system = None
         if not self.enabled:
             return
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(uri)
+        self._client = None
+        self._opened = threading.Event()
         self._q: queue.Queue = queue.Queue()
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._drain, name="mlflow-log", daemon=True)
+        args = (uri, system_metrics_interval_s)
+        self._thread = threading.Thread(target=self._drain, args=args, name="mlflow-log", daemon=True)
         self._thread.start()
-        # a restarted worker's run was closed FAILED by the last one (and MLflow's system monitor
-        # stops at once on a run that is not RUNNING): it is running again
-        reopen(self.client, run_id)
-        if system_metrics_interval_s:
-            self._system = system_monitor(uri, run_id, system_metrics_interval_s)
+
+    @property
+    def client(self) -> MlflowClient | None:
+        """The open client (None if the store could not be opened); waits for the writer to open it."""
+        self._opened.wait()
+        return self._client
+
+    def _open(self, uri: str, system_metrics_interval_s: float | None) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(uri)
+            # a restarted worker's run was closed FAILED by the last one (and MLflow's system
+            # monitor stops at once on a run that is not RUNNING): it is running again
+            reopen(client, self.run_id)
+            self._client = client
+        except Exception as e:
+            log.warning("MLflow store %s could not be opened (%s): this run logs nothing; training goes on",
+                        uri, e)  # fmt: skip
+        finally:
+            self._opened.set()
+        if self._client is not None and system_metrics_interval_s:
+            self._system = system_monitor(uri, self.run_id, system_metrics_interval_s)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.enabled:
@@ -437,73 +459,105 @@ class Tracker:
             for k, v in metrics.items():
                 self._q.put(Metric(k, float(v), ts, step))
 
-    def _drain(self) -> None:
+    def _drain(self, uri: str, system_metrics_interval_s: float | None) -> None:
+        self._open(uri, system_metrics_interval_s)
         while True:
             got = [self._q.get()]
             self._closing.wait(0.5)  # let a batch gather (not when closing: a failed rank exits fast)
             while not self._q.empty() and len(got) < 900:
                 got.append(self._q.get_nowait())
-            batch = [m for m in got if m is not None]
-            if batch:
-                try:
-                    _retry(self.client.log_batch, self.run_id, metrics=batch)
-                except Exception as e:
-                    log.warning("MLflow logging failed (%s); training goes on", e)
+            batch = []
+            for item in got:  # in order: a call queued after some metrics is made after their write
+                if item is None or callable(item):
+                    self._write(batch)
+                    batch = []
+                    if item is not None:
+                        self._call(item)
+                else:
+                    batch.append(item)
+            self._write(batch)
             for _ in got:
                 self._q.task_done()
-            if len(batch) < len(got):  # the None sentinel: close() was called
+            if any(item is None for item in got):  # the sentinel: close() was called
                 return
 
+    def _write(self, metrics: list) -> None:
+        if metrics and self._client is not None:
+            try:
+                _retry(self._client.log_batch, self.run_id, metrics=metrics)
+            except Exception as e:
+                log.warning("MLflow logging failed (%s); training goes on", e)
+
+    def _call(self, fn) -> None:
+        if self._client is not None:
+            try:
+                fn(self._client)
+            except Exception as e:
+                log.warning("MLflow: %s (training goes on)", e)
+
     def set_tags(self, tags: dict[str, str]) -> None:
+        """Queued, like the metrics: written in order, after what was logged before."""
         if self.enabled:
-            for k, v in tags.items():
-                _retry(self.client.set_tag, self.run_id, k, str(v))
+            tags = {k: str(v) for k, v in tags.items()}
+
+            def write(client):
+                for k, v in tags.items():
+                    _retry(client.set_tag, self.run_id, k, v)
+
+            self._q.put(write)
 
     def artifact(self, path: str, subdir: str | None = None) -> None:
-        if self.enabled:
+        if self.enabled and (client := self.client) is not None:
             try:
-                _retry(self.client.log_artifact, self.run_id, path, subdir)
+                _retry(client.log_artifact, self.run_id, path, subdir)
             except Exception as e:
                 log.warning("could not log artifact %s: %s", path, e)
 
     def artifacts(self, path: str, subdir: str | None = None) -> None:
-        if self.enabled:
+        if self.enabled and (client := self.client) is not None:
             try:
-                _retry(self.client.log_artifacts, self.run_id, path, subdir)
+                _retry(client.log_artifacts, self.run_id, path, subdir)
             except Exception as e:
                 log.warning("could not log artifacts %s: %s", path, e)
 
     def log_dataset(self, root: str, digest: str, context: str = "train") -> None:
         """Fill the run's Dataset column: the data root, named by its last folder, with a digest of
-        its file list (a changed listing shows as another dataset)."""
+        its file list (a changed listing shows as another dataset). Queued, like the metrics."""
         if not self.enabled:
             return
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-        from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.entities import DatasetInput, InputTag
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the registry warns about its own future
-                source = resolve_dataset_source(root)
-            ds = MetaDataset(source, name=root.rstrip("/").rsplit("/", 1)[-1] or root, digest=digest)
-            entry = DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])
-            _retry(self.client.log_inputs, self.run_id, datasets=[entry])
-        except Exception as e:  # e.g. a protocol MLflow has no dataset source for (memory://)
-            log.warning("MLflow: could not record the dataset %s (%s)", root, e)
+        def write(client):
+            from mlflow.data.dataset_source_registry import resolve_dataset_source
+            from mlflow.data.meta_dataset import MetaDataset
+            from mlflow.entities import DatasetInput, InputTag
+
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the registry warns about its own future
+                    source = resolve_dataset_source(root)
+                ds = MetaDataset(source, name=root.rstrip("/").rsplit("/", 1)[-1] or root, digest=digest)
+                entry = DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])
+                _retry(client.log_inputs, self.run_id, datasets=[entry])
+            except Exception as e:  # e.g. a protocol MLflow has no dataset source for (memory://)
+                log.warning("MLflow: could not record the dataset %s (%s)", root, e)
+
+        self._q.put(write)
 
     def close(self, status: str = "FINISHED", error: BaseException | None = None) -> None:
         """End the run: FINISHED, KILLED (interrupted, preempted) or FAILED, with `error` as a tag."""
         if self.enabled:
+            self.enabled = False
+            self._closing.set()
+            self._q.put(None)
+            self._thread.join(timeout=60)  # what was queued is written (and the client open)
             if self._system is not None:  # its last samples, written before the run ends; bounded,
                 done = threading.Thread(target=self._system.finish, daemon=True)  # as the queue is
                 done.start()
                 done.join(timeout=30)
                 self._system = None
-            self._closing.set()
-            self._q.put(None)
-            self._thread.join(timeout=60)
+            client = self._client if self._opened.is_set() else None
+            if client is None:
+                return
             if error is not None:
-                _retry(self.client.set_tag, self.run_id, ERROR_TAG, one_line(error))
-            _retry(self.client.set_terminated, self.run_id, status)
-            self.enabled = False
+                _retry(client.set_tag, self.run_id, ERROR_TAG, one_line(error))
+            _retry(client.set_terminated, self.run_id, status)

@@ -418,3 +418,49 @@ def test_close_stops_the_persistent_workers_now(data_root, tmp_path):
     ld.close()
     val.stop_workers()
     assert not any(w.is_alive() for w in workers) and val._iterator is None
+
+
+@pytest.mark.parametrize(
+    "ahead, restored", [(3, 3), (5, 3), (3, None)], ids=["lands-there", "lands-elsewhere", "nothing-restored"]
+)
+def test_a_loader_started_ahead_gives_a_fresh_ones_batches(data_root, tmp_path, reference, ahead, restored):
+    """A (re)start starts the loader at the step it will most likely continue at (start_at, the
+    first candidate commit's) before the checkpoint is read, so the first batch is made meanwhile.
+    A restore that lands there keeps those workers and batches; one that lands elsewhere (the
+    newest commit did not load) or nowhere starts over at its own step: the batches are the
+    uninterrupted run's either way."""
+    ref, ref_chain = reference
+    a = loader(data_root, tmp_path / "c", workers=2)
+    images(a, 3)
+    sd = a.state_dict()
+    a.close()
+    b = loader(data_root, tmp_path / "c", workers=2)
+    b.start_at(ahead)
+    started = b._it
+    assert started is not None and all(w.is_alive() for w in started.it._workers)  # forked before the read
+    if restored is not None:
+        b.load_state_dict(sd)
+    first = restored or 0
+    got = images(b, STEPS - first)
+    kept = b._it is started
+    b.close()
+    assert kept == (ahead == first)
+    assert len(got) == STEPS - first and all(torch.equal(x, y) for x, y in zip(got, ref[first:]))
+    assert b.chain.hexdigest == ref_chain
+
+
+def test_a_prefetch_of_cached_files_starts_one_thread(data_root, tmp_path):
+    """After a restart the node cache holds the next steps' files: the first prefetch call hands
+    them to one task that checks them, instead of starting every prefetch thread for nothing (tens
+    of ms on a restart's path)."""
+    ld = loader(data_root, tmp_path, workers=0)
+    images(ld, 5)  # an epoch: every file cached
+    ld.close()
+    src = CachedSource(Storage(data_root), str(tmp_path), prefetch_threads=4)
+    files = list(ld.files.files)
+    src.prefetch(files, set(files))
+    threads = [t for t in src._pool._threads]
+    src._pool.shutdown(wait=True)
+    src.close()
+    assert len(threads) == 1
+    assert src.stats()["data/prefetched_files"] == 0 and not src._inflight

@@ -92,3 +92,62 @@ def test_a_locked_store_is_retried_not_dropped(tmp_path):
     t.close()
     assert failures == [0]
     assert [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [(7, 1.5)]
+
+
+def _tracker_made_within(seconds: float, *args, **kw) -> Tracker | None:
+    made: list = []
+    th = threading.Thread(target=lambda: made.append(Tracker(*args, **kw)), daemon=True)
+    th.start()
+    th.join(seconds)
+    return made[0] if made else None
+
+
+def test_a_tracker_does_not_wait_for_its_store_to_open(tmp_path, monkeypatch):
+    """A restarted rank 0 builds its Tracker before the checkpoint read, which every rank waits
+    for: opening the store (about 0.2 s for SQLite, more for a server) and setting the run RUNNING
+    again happen on the tracker's writer thread, and what is logged meanwhile waits in its queue."""
+    import goodput.tracking as tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, "e", "r", {}, None, str(tmp_path / "art"))
+    client = MlflowClient(uri)
+    client.set_terminated(run_id, "FAILED")  # as the crashed attempt's rank 0 left it
+    release, real = threading.Event(), tracking.reopen
+
+    def slow_reopen(c, rid):  # a store that takes its time to answer
+        release.wait(20)
+        real(c, rid)
+
+    monkeypatch.setattr(tracking, "reopen", slow_reopen)
+    t = _tracker_made_within(5, uri, run_id, enabled=True)
+    assert t is not None, "the Tracker waited for its store"
+    t.log({"loss": 2.5}, 3)
+    t.set_tags({"restarts": 1})
+    t.log_dataset(str(tmp_path / "data" / "shapes-c4"), "0123456789abcdef")
+    assert client.get_run(run_id).info.status == "FAILED"  # nothing reached the store yet
+    release.set()
+    t.close()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(3, 2.5)]
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["shapes-c4"]
+
+
+def test_a_store_that_cannot_be_opened_costs_a_warning_not_the_run(tmp_path, monkeypatch, caplog):
+    import goodput.tracking as tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_run(uri, "e", "r", {}, None, str(tmp_path / "art"))
+
+    def broken(c, rid):
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(tracking, "reopen", broken)
+    t = _tracker_made_within(5, uri, run_id, enabled=True)
+    assert t is not None
+    t.log({"loss": 1.0}, 1)
+    t.set_tags({"restarts": 1})
+    t.artifact(__file__)
+    t.close("FAILED", RuntimeError("boom"))
+    assert "could not be opened (tracking server unreachable)" in caplog.text
+    assert "restarts" not in MlflowClient(uri).get_run(run_id).data.tags

@@ -59,11 +59,18 @@ def _candidates(mgr: CheckpointManager, spec: str) -> list[dict]:
     return out[0]
 
 
-def resume(mgr: CheckpointManager, app: AppState, configured: str) -> tuple[dict | None, bool]:
+def resume(
+    mgr: CheckpointManager, app: AppState, configured: str, ahead: Callable[[int], None] | None = None
+) -> tuple[dict | None, bool]:
     """Load what `run.resume` asks for, collectively. Returns (commit record or None, touched):
-    `touched` means a failed load may have written into the live state, which must be rebuilt."""
+    `touched` means a failed load may have written into the live state, which must be rebuilt.
+    `ahead(step)` is told the step the start will most likely continue at (the first candidate's),
+    before anything is read: the data loader starts making its batches meanwhile."""
     spec = effective_spec(configured)
-    rec, skipped = mgr.restore(app, _candidates(mgr, spec))
+    candidates = _candidates(mgr, spec)
+    if ahead is not None:
+        ahead(candidates[0]["step"] if candidates else 0)
+    rec, skipped = mgr.restore(app, candidates)
     for s in skipped:
         log.warning("could not load checkpoint %s; falling back to the previous one", s)
     if spec not in ("auto", "none") and rec is None:

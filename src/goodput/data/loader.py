@@ -178,6 +178,7 @@ class ResumableLoader:
         self._chain = OrderHash()
         self._delivered = None  # the newest batch's indices, being gathered from every rank
         self._dl = self._it = None
+        self._it_step = 0
         self.io = {
             "data/cache_hits": 0,
             "data/cache_misses": 0,
@@ -194,29 +195,34 @@ class ResumableLoader:
         return self.order.epoch_of(self.step)
 
     # -- iteration ---------------------------------------------------------------------------
-    def _start(self) -> None:
-        sampler = StepBatchSampler(self.order, self.rank, self.world, self.step, self.max_steps)
+    def start_at(self, step: int) -> None:
+        """Fork the workers and put the batches from `step` on in flight now, while the rest of a
+        (re)start runs (the checkpoint read): a restore that lands on `step` finds the first batch
+        made. Changes nothing else: the first `next()` at another step starts over from there."""
+        if self._it is None and 0 <= step < self.max_steps:
+            self._start(step)
+
+    def _start(self, step: int) -> None:
+        sampler = StepBatchSampler(self.order, self.rank, self.world, step, self.max_steps)
         # A private generator: creating the iterator draws a base seed, and drawing it from the global
         # RNG would shift every later draw of a resumed run (dropout, for one) by one.
         g = torch.Generator().manual_seed(self.seed)
         self._dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
-        self._it = iter(self._dl)
-        self._prefetched_until = self.step
-        self._prefetch()
+        self._it, self._it_step = iter(self._dl), step  # the step the iterator's next batch is for
+        self._prefetched_until = step
+        self._prefetch(step)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, step: int) -> None:
         # Tell the source which files this rank needs in the next `prefetch_steps` steps, and which
         # files any rank on the node may still read (never evicted). Pure functions of the order.
-        horizon = min(self.step + self.cfg.prefetch_steps, self.max_steps)
+        horizon = min(step + self.cfg.prefetch_steps, self.max_steps)
         files = self.files.files
         want = []
-        for s in range(max(self._prefetched_until, self.step), horizon):
+        for s in range(max(self._prefetched_until, step), horizon):
             want += [files[i] for i in self.order.rank_batch(s, self.rank, self.world)]
         self._prefetched_until = max(self._prefetched_until, horizon)
         protect = {
-            files[i]
-            for s in range(max(0, self.step - 1), horizon)
-            for i in self.order.global_batch(s).tolist()
+            files[i] for s in range(max(0, step - 1), horizon) for i in self.order.global_batch(s).tolist()
         }
         self.source.prefetch(want, protect)
 
@@ -226,9 +232,12 @@ class ResumableLoader:
     def __next__(self) -> dict:
         if self.step >= self.max_steps:
             raise StopIteration
+        if self._it is not None and self._it_step != self.step:  # started ahead at another step
+            self._drop_iterator()
         if self._it is None:
-            self._start()
+            self._start(self.step)
         batch = next(self._it)
+        self._it_step += 1
         # Count what was delivered: this step is consumed only now, and the hash chain takes the
         # indices the batch carries (gathered from every rank while the step computes).
         self._settle()
@@ -238,7 +247,7 @@ class ResumableLoader:
         self.io["data/bytes_fetched"] += int(batch["bytes"].sum())
         self.io["data/bad_samples"] += int((1 - batch["ok"]).sum())
         self.step += 1
-        self._prefetch()
+        self._prefetch(self.step)
         return batch
 
     @property
@@ -305,7 +314,9 @@ class ResumableLoader:
             )
         self.step = sd["step"]
         self._chain, self._delivered = OrderHash(sd["sample_order_sha256"]), None
-        self._drop_iterator()
+        # an iterator started ahead (start_at) is kept only if its next batch is this step's
+        if self._it is not None and self._it_step != self.step:
+            self._drop_iterator()
 
 
 def _gather_indices(mine: torch.Tensor, world: int):

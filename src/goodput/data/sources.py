@@ -273,14 +273,30 @@ class CachedSource(RemoteSource):
     def prefetch(self, rels: list[str], protect: set[str]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.prefetch_threads, thread_name_prefix="prefetch")
-        for rel in rels:
-            with self._lock:
-                if rel in self._inflight:
-                    continue
-                self._inflight.add(rel)
-            self._pool.submit(self._prefetch_one, rel)
+        with self._lock:
+            todo = [rel for rel in rels if rel not in self._inflight]
+            self._inflight.update(todo)
+        if todo:  # one task, which hands out the files not cached yet: a restart's first call (hundreds
+            self._pool.submit(self._hand_out, todo)  # of cached files) starts one thread, not 16
         if self.cache_limit:
             self._maybe_evict(protect)
+
+    def _hand_out(self, rels: list[str]) -> None:
+        for i, rel in enumerate(rels):
+            try:
+                cached = self._is_cached(rel)
+            except Exception:  # _prefetch_one tries again and says why (debug)
+                cached = False
+            if cached:
+                with self._lock:
+                    self._inflight.discard(rel)
+                continue
+            try:
+                self._pool.submit(self._prefetch_one, rel)
+            except RuntimeError:  # the source was closed meanwhile: nothing more to hand out
+                with self._lock:
+                    self._inflight.difference_update(rels[i:])
+                return
 
     def _prefetch_one(self, rel: str) -> None:
         try:

@@ -43,6 +43,7 @@ def preload_forkserver() -> None:
         [
             "goodput.resilience.forkserver_init",
             "torch",
+            "torchvision.transforms.v2",  # the data pipeline's transforms (imported when first built)
             "goodput.run.worker",
             "mlflow.store.tracking.sqlalchemy_store",
         ]

@@ -58,7 +58,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
         recovery.mark("built")
-        rec, touched = resume(t.ckpt, t.app, c.run.resume)
+        rec, touched = resume(t.ckpt, t.app, c.run.resume, ahead=t.loader.start_at)
         recovery.mark("checkpoint_read")
         if touched:  # a failed load may have written into the live state: rebuild it fresh
             t.close()
