@@ -1,7 +1,8 @@
 """MLflow: one run per job, continued across restarts (its id lives in the checkpoint).
 
-Metrics are queued and written by a background thread in batches, so logging never stalls the
-loop (and never inflates fetch_seconds); `close()` flushes. Only rank 0 tracks.
+Metrics, tags and the dataset are queued and written in order by a background thread (metrics in
+batches), which also opens the store: logging never stalls the loop (and never inflates
+fetch_seconds), and a restart never waits for MLflow; `close()` flushes. Only rank 0 tracks.
 
 Why not MLflow's own asynchronous logging (`log_batch(synchronous=False)`,
 MLFLOW_ENABLE_ASYNC_LOGGING): its call also returns without touching the store, but

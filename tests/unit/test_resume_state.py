@@ -57,3 +57,35 @@ def test_the_worker_arms_the_hang_watchdog_for_the_loop(tmp_path, one_process, m
     monkeypatch.setattr(loop, "train", watched)
     run_job_here(tmp_path, "trainer.max_steps=2", "trainer.hang_timeout_s=123", "mlflow.log_model=none")
     assert seen == {"alive": True, "timeout": 123}
+
+
+def test_the_worker_starts_the_loader_before_the_restore(tmp_path, one_process, monkeypatch):
+    """A start puts the batches of the step it will most likely resume at in flight before the
+    checkpoint is read (docs/goodput.md, what keeps a restart short): step 0 with nothing to resume,
+    the commit's step on a resume, and the loop reads from that very iterator (the restore kept it)."""
+    from goodput.data.loader import ResumableLoader
+    from goodput.run import loop
+
+    seen: list = []
+    start_at, train = ResumableLoader.start_at, loop.train
+
+    def spy(self, step):
+        start_at(self, step)
+        seen.append({"ahead": step, "restored_yet": self.step, "it": self._it})
+
+    def watched(t):
+        seen.append({"loop_it": t.loader._it})
+        return train(t)
+
+    monkeypatch.setattr(ResumableLoader, "start_at", spy)
+    monkeypatch.setattr(loop, "train", watched)
+    keys = ("checkpoint=dcp_sync", "trainer.max_steps=6", "checkpoint.every_n_steps=3", "data.num_workers=1",
+            "mlflow.log_model=none")  # fmt: skip
+    first, _ = run_job_here(tmp_path, *keys)
+    again, _ = run_job_here(
+        tmp_path, *keys, f"run.resume={first['checkpoint_dir']}/step-000000003", run_dir=tmp_path / "again"
+    )
+    assert again["resumed_from_steps"][-1] == 3 and again["steps"] == 6
+    assert [(s["ahead"], s["restored_yet"]) for s in seen[0::2]] == [(0, 0), (3, 0)]
+    for ahead, loop_start in (seen[0:2], seen[2:4]):
+        assert ahead["it"] is not None and loop_start["loop_it"] is ahead["it"]

@@ -276,6 +276,8 @@ class Faults:
         probability `chaos_p`. The n-th visit of a site in an attempt draws from its own RNG, seeded
         by (chaos_seed, attempt, site, n): one shared stream would make the loop's draws depend on
         how far an async save's thread had got, and the kill points vary from run to run."""
+        if self._chaos is None:  # no drill (or its kill is done): no lock on every step
+            return
         with self._chaos_lock:  # the loop and an async save's thread both reach sites
             if self._chaos is None:
                 return
