@@ -21,6 +21,7 @@ from goodput.checkpoint.layout import COMMIT, is_rescue, newest_first, parse_ste
 from goodput.checkpoint.rescue import merge_metadata, write_shard
 from goodput.resilience.accounting import Rescues
 from goodput.resilience.fault import InjectedFailure
+from goodput.resilience.signals import HELPER_ENV
 from goodput.storage.remote import Storage
 
 # BatchNorm and dropout (helpers.StochasticNet), commits at 4, 8, 12 (experiment=smoke)
@@ -70,6 +71,9 @@ def test_an_own_error_rescues_the_step_before_and_the_relaunch_is_exact(tmp_path
     ref, _ = run_job_here(tmp_path / "ref", *NET)
     with pytest.raises(InjectedFailure):
         run_job_here(tmp_path / "a", *NET, "fault.raise_at_step=7")
+    # the loop's mark for its helpers is gone with it: a job launched next from this process would
+    # pass it to its forkserver, and its ranks would never see a preemption signal (CI saw that)
+    assert HELPER_ENV not in os.environ
     d = ckpt_dir(tmp_path / "a")
     rec = Commits(Storage(str(d))).committed()[0]
     assert rec["dir"] == "step-000000006.rescue" and rec["kind"] == "rescue" and rec["rescued_by"] == [0]

@@ -25,7 +25,7 @@ from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
 from goodput.resilience.recovery import Recovery
-from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
 from goodput.run import loop, refusal
 from goodput.run.build import Trainer, storage
 from goodput.run.context import RunContext
@@ -43,6 +43,11 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     first = restart_round() == 0
     t_start = ctx.job_start if first else process_start()
     recovery = Recovery()
+    # The loop marks this process's helpers while it runs (StopSignal); a loop that raised leaves
+    # the mark, and a job launched later from this process (an in-process search's next trial)
+    # would pass it on to its forkserver, which would then block the preemption signals of every
+    # rank it forks. Put back below, on every way out but fail_fast's exit.
+    helper_env = os.environ.get(HELPER_ENV)
     recovery.mark("imports_done")  # this module is imported before `worker` is called
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
@@ -91,6 +96,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         else:  # the build failed (a bad _target_, a data error)
             end_run(status, error)
         shutdown_distributed()
+        if helper_env is None:
+            os.environ.pop(HELPER_ENV, None)
 
 
 def _process_defaults(c: Config) -> None:
