@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -334,3 +335,81 @@ def process_cpu_s(exclude_pids: Sequence[int] = ()) -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+# A process's role in a job, by its depth below the job's process (scripts/train.py): the job runs
+# the elastic agent, its children are the agent's helpers (the forkserver, multiprocessing's resource
+# tracker), theirs are the ranks, and the ranks' children are DataLoader workers.
+ROLES = ("job (elastic agent)", "agent helpers", "ranks", "data workers")
+
+
+class TreeCPU:
+    """CPU seconds (user + system) of a process tree, sampled on a thread every `interval_s`.
+
+    A process's role (ROLES) is fixed when it is first seen. A process that lives and dies between
+    two samples is missed; one that ends or leaves the tree (an orphan, reparented) counts up to its
+    last sample in it. The sampler's own CPU (this process's) is `self_cpu_s`: it shares the machine
+    with what it measures."""
+
+    def __init__(self, root_pid: int, interval_s: float = 0.05):
+        import psutil
+
+        self.root, self.interval_s = psutil.Process(root_pid), interval_s
+        self.roles: dict[int, str] = {}
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-cpu", daemon=True)
+        self._cpu0 = time.process_time()
+        self.self_cpu_s = 0.0
+
+    def start(self) -> TreeCPU:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.self_cpu_s = time.process_time() - self._cpu0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def sample(self) -> None:
+        import psutil
+
+        now, cpu, parent = time.time(), {}, {}
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:  # the job has exited
+            return
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t, parent[p.pid] = p.cpu_times(), p.ppid()
+            except psutil.Error:
+                continue  # gone since the listing
+            cpu[p.pid] = t.user + t.system
+        for pid in cpu:
+            if pid not in self.roles:
+                depth, q = 0, pid
+                while q != self.root.pid and q in parent and depth < 8:
+                    q, depth = parent[q], depth + 1
+                self.roles[pid] = ROLES[min(depth, len(ROLES) - 1)]
+        self.samples.append((now, cpu))
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each role used between times t0 and t1: per process, its last sample up to t1
+        minus its last sample up to t0 (0 for a process that started after t0)."""
+        before: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for t, cpu in self.samples:
+            if t <= t0:
+                before = cpu
+            elif t <= t1:
+                last.update(cpu)
+        out = dict.fromkeys(ROLES, 0.0)
+        for pid, c in last.items():
+            out[self.roles[pid]] += max(0.0, c - before.get(pid, 0.0))
+        return out

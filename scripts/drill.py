@@ -9,11 +9,14 @@ python scripts/drill.py --preset rescue   # 2 x 26 kills of one rank of 2, check
 python scripts/drill.py --preset rescue60 # the same at a failure a minute: goodput against the clean run
 python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
 python scripts/drill.py --mtbf 60 --kills 3 --hang-mtbf 60 --hangs 2 --hang-rank 1 -- parallel=ddp  # both
+python scripts/drill.py --preset rescue60 --cpu   # also: CPU seconds per restart by process role
 
 Each faulty run is supervised by the elastic agent (parallel.max_restarts), so restarts are automatic;
 the clean run has no faults. Prints goodput, lost work, restarts and stalls, whether the final
 model_sha256 of the faulty run equals the clean one, and where each restart's time went (median
-per phase, from summary.json's `recovery`). Writes JSON and markdown under --out.
+per phase, from summary.json's `recovery`); with --cpu, what a restart costs in CPU seconds by
+process role (the elastic agent, its helpers, the ranks, their data workers) beside as long of
+steady training. Writes JSON and markdown under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import ROLES, TreeCPU, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "scripts" / "train.py")
@@ -88,22 +93,83 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
-def run(root: str, name: str, overrides: list[str]) -> dict:
+def run(root: str, name: str, overrides: list[str], cpu: bool = False) -> dict:
+    """One job to its end; its summary.json. `cpu`: the job's process tree is sampled meanwhile, and
+    the summary gets `cpu`, what its restarts cost in CPU time (cpu_per_failure)."""
     cmd = [sys.executable, TRAIN, f"paths.root={root}", f"run.name={name}", *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree = TreeCPU(p.pid).start() if cpu else None
+    out, err = p.communicate()
+    if tree is not None:
+        tree.stop()
     if p.returncode != 0:
-        sys.stderr.write(p.stdout[-3000:] + p.stderr[-5000:])
+        sys.stderr.write(out[-3000:] + err[-5000:])
         raise SystemExit(f"drill run {name} failed with exit code {p.returncode}")
     files = sorted(glob.glob(f"{root}/runs/{name}/*/summary.json"), key=os.path.getmtime)
     s = json.loads(Path(files[-1]).read_text())
     s["elapsed"] = time.time() - t0
+    if tree is not None:
+        s["cpu"] = cpu_per_failure(tree, s, s["elapsed"])
     return s
+
+
+def cpu_per_failure(tree: TreeCPU, s: dict, elapsed: float, settle_s: float = 2.0) -> dict | None:
+    """Mean CPU seconds by process role per restart (the kill -> the first resumed step), beside the
+    same length of steady training: windows starting `settle_s` after a first resumed step, kept when
+    they end before the next kill. On a machine whose cores are all busy, a failure costs about its
+    extra CPU seconds divided by the cores, wherever in the restart they are spent."""
+    spans = [(r["at"]["failure"], r["at"]["first_step"]) for r in per_restart(s)
+             if "failure" in r.get("at", {}) and "first_step" in r.get("at", {})]  # fmt: skip
+    if not spans or not tree.samples:
+        return None
+    restart = dict.fromkeys(ROLES, 0.0)
+    steady = dict.fromkeys(ROLES, 0.0)
+    steady_wall = 0.0
+    ends = [a for a, _ in spans[1:]] + [tree.samples[-1][0]]
+    for (a, b), nxt in zip(spans, ends):
+        for role, c in tree.window(a, b).items():
+            restart[role] += c
+        s0 = b + settle_s
+        if s0 + (b - a) < nxt:
+            for role, c in tree.window(s0, s0 + (b - a)).items():
+                steady[role] += c
+            steady_wall += b - a
+    n = len(spans)
+    wall = sum(b - a for a, b in spans) / n
+    return {
+        "restarts": n,
+        "cpus": os.cpu_count(),
+        "restart_wall_s": round(wall, 3),
+        "restart_cpu_s": {k: round(v / n, 3) for k, v in restart.items()},
+        # steady CPU per second of wall, over as long as a mean restart
+        "steady_cpu_s": {k: round(v / steady_wall * wall, 3) for k, v in steady.items()}
+        if steady_wall
+        else None,
+        "steady_windows": sum(1 for (a, b), nxt in zip(spans, ends) if b + settle_s + (b - a) < nxt),
+        "sampler_cpu_share": round(tree.self_cpu_s / max(elapsed, 1e-9), 4),  # of one CPU, the drill's own
+    }
+
+
+def cpu_table(label: str, c: dict) -> str:
+    """Per role: CPU seconds of a mean restart and of as long of steady training, and the share of
+    the machine each kept busy."""
+    st = c["steady_cpu_s"] or {}
+    rows = [[role, f"{c['restart_cpu_s'][role]:.2f}", f"{st[role]:.2f}" if st else "n/a"] for role in ROLES]
+    total_r, total_s = sum(c["restart_cpu_s"].values()), sum(st.values()) if st else None
+    rows.append(["all", f"{total_r:.2f}", f"{total_s:.2f}" if st else "n/a"])
+    busy = lambda v: f"{100 * v / (c['restart_wall_s'] * c['cpus']):.0f} %"  # noqa: E731
+    rows.append([f"busy ({c['cpus']} CPUs)", busy(total_r), busy(total_s) if st else "n/a"])
+    n, wall, steady = c["restarts"], c["restart_wall_s"], c["steady_windows"]
+    head = (f"{label}: CPU seconds per restart ({n}, {wall:.2f} s from kill to first resumed step) "
+            f"and in as long of steady training ({steady} windows)")  # fmt: skip
+    return head + "\n\n" + markdown_table(["role", "restart", "steady"], rows)
 
 
 def row(label: str, s: dict, clean: dict | None) -> dict:
     g = s["goodput"]
+    clean_wall = None if clean is None else clean["goodput"]["wall_seconds"]
     return {
         "run": label,
         "goodput": g["goodput"],
@@ -121,6 +187,8 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         # per restart: the steps the failed attempt had finished that the restart redid
         "max_lost_per_failure": max((r.get("lost_steps", 0) for r in per_restart(s)), default=None),
         "vs_clean": None if clean is None else round(g["goodput"] / clean["goodput"]["goodput"], 4),
+        # the same steps and the same model: the clean run's wall time over this one's
+        "wall_vs_clean": None if clean is None else round(clean_wall / g["wall_seconds"], 4),
     }
 
 
@@ -188,6 +256,10 @@ def main() -> None:
         "--hang-timeout", type=float, default=5.0, help="trainer.hang_timeout_s of the faulty runs"
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="mtbf, kills and overrides of a named drill")
+    p.add_argument(
+        "--cpu", action="store_true",
+        help="sample the faulty runs' processes (Linux): CPU seconds of a restart by process role",
+    )  # fmt: skip
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     a = p.parse_args()
     variants = COMPARE if a.compare else {"faulty": []}
@@ -229,15 +301,18 @@ def main() -> None:
         print(f"{label} ...", flush=True)
         s = run(a.root, f"drill-{tag}/{slug(label)}", [*a.overrides, *extra, f"seed={a.seed}"])
         rows.append(row(label, s, clean))
-    phases, recovery, lost = [], {}, {}
+    phases, recovery, lost, cpu = [], {}, {}, {}
     for label, extra in variants.items():
         hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
         if a.hang_mtbf:
             hang = f", hangs at {a.hang_site} with mean {a.hang_mtbf:g}s (at most {a.hangs})"
         print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
-        s = run(a.root, f"drill-{tag}/{slug(label)}", [*a.overrides, *extra, *faults, f"seed={a.seed}"])
+        args = [*a.overrides, *extra, *faults, f"seed={a.seed}"]
+        s = run(a.root, f"drill-{tag}/{slug(label)}", args, a.cpu)
         rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
         phases.append(phase_table(label, s))
+        if s.get("cpu"):
+            cpu[label] = s["cpu"]
         recovery[label] = s.get("recovery")
         lost[label] = [(r.get("resumed_kind"), r.get("lost_steps")) for r in per_restart(s)]
     table = markdown(rows)
@@ -248,6 +323,9 @@ def main() -> None:
         print(phase_md)
     for label, per in lost.items():  # what each failure cost: (resumed from, steps redone)
         print(f"{label}: lost steps per restart {[n for _, n in per]} (resumed from {[k for k, _ in per]})")
+    cpu_md = "\n\n".join(cpu_table(label, c) for label, c in cpu.items())
+    if cpu_md:
+        print("\n" + cpu_md)
     os.makedirs(a.out, exist_ok=True)
     result = {
         "mtbf_seconds": a.mtbf,
@@ -260,9 +338,10 @@ def main() -> None:
         "rows": rows,
         "recovery": recovery,
         "lost_steps_per_restart": lost,
+        "cpu": cpu,
     }
     Path(a.out, "drill.json").write_text(json.dumps(result, indent=2))
-    Path(a.out, "drill.md").write_text(table + "\n\n" + phase_md + "\n")
+    Path(a.out, "drill.md").write_text("\n\n".join(x for x in (table, phase_md, cpu_md) if x) + "\n")
     print(f"wrote {a.out}/drill.json and drill.md")
 
 

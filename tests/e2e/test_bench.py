@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO
@@ -49,6 +50,75 @@ def test_helpers():
     table = markdown_table(["a", "b"], [["x", 1.5], ["yy", float("nan")]])
     lines = table.splitlines()
     assert len(lines) == 4 and lines[1].startswith("|--") and "-" in lines[3]
+
+
+# A process tree four deep: each level spins 0.3 s of CPU, then forks the next and waits for it
+TREE = r"""
+import os, time
+def level(d):
+    print(d, os.getpid(), time.time(), flush=True)
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    if d < 3:
+        pid = os.fork()
+        if pid == 0:
+            level(d + 1)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    time.sleep(0.1)  # a sample sees the CPU it ended with
+level(0)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_tree_cpu_names_each_depth_and_splits_time_into_windows():
+    """drill.py --cpu: a process's role is its depth below the job, and a window holds the CPU time
+    spent inside it (none of a process that had not started)."""
+    b = _benchlib()
+    p = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    tree = b.TreeCPU(p.pid, interval_s=0.02).start()
+    out, _ = p.communicate(timeout=60)
+    tree.stop()
+    levels = [line.split() for line in out.splitlines()]
+    pids, starts = [int(x[1]) for x in levels], [float(x[2]) for x in levels]
+    assert [tree.roles.get(pid) for pid in pids] == list(b.ROLES)
+    whole = tree.window(starts[0] - 1, time.time())
+    assert all(0.2 <= whole[role] <= 0.6 for role in b.ROLES), whole
+    first = tree.window(starts[0] - 1, starts[1] - 0.01)  # before the first fork: the job alone
+    assert 0.2 <= first[b.ROLES[0]] <= 0.6 and [first[r] for r in b.ROLES[1:]] == [0.0, 0.0, 0.0], first
+    later = tree.window(starts[2], time.time())  # the first two levels had spent theirs already
+    assert later[b.ROLES[0]] < 0.05 and later[b.ROLES[1]] < 0.05 and later[b.ROLES[3]] >= 0.2, later
+    assert tree.self_cpu_s > 0
+
+
+def test_cpu_per_failure_compares_each_restart_with_steady_training_after_it():
+    """drill.py --cpu: a restart's window runs kill -> first resumed step; its steady window starts
+    2 s after that step and is dropped when the next kill comes first."""
+    b = _benchlib()
+    sys.modules["benchlib"] = b  # drill.py imports it by name from its own directory
+    spec = importlib.util.spec_from_file_location("drill", REPO / "scripts" / "drill.py")
+    drill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drill)
+
+    class Tree:  # each role burns 1 CPU-s per second inside restarts, 0.5 outside
+        samples = [(200.0, {})]
+        self_cpu_s = 1.0
+
+        def window(self, t0, t1):
+            inside = sum(max(0.0, min(t1, b_) - max(t0, a_)) for a_, b_ in spans)
+            return dict.fromkeys(b.ROLES, inside + 0.5 * (t1 - t0 - inside))
+
+    spans = [(10.0, 12.0), (15.0, 16.0), (40.0, 44.0)]  # the second kill comes 3 s after the first step
+    s = {"recovery": {"per_restart": [{"at": {"failure": a, "first_step": z}} for a, z in spans]}}
+    c = drill.cpu_per_failure(Tree(), s, elapsed=100.0)
+    role = b.ROLES[2]
+    assert c["restarts"] == 3 and c["restart_wall_s"] == pytest.approx(7 / 3, abs=1e-3)
+    assert c["restart_cpu_s"][role] == pytest.approx(7 / 3, abs=1e-3)  # 2 + 1 + 4 CPU-s over three restarts
+    assert c["steady_windows"] == 2  # after 12 s: [14, 16) reaches the kill at 15; after 16 and 44: kept
+    assert c["steady_cpu_s"][role] == pytest.approx(0.5 * 7 / 3, abs=1e-3)  # 0.5/s, as long as a restart
+    assert c["sampler_cpu_share"] == pytest.approx(0.01)
+    assert "| all" in drill.cpu_table("faulty", c)
 
 
 @pytest.mark.slow  # ~40 s on 2 cores, mostly process start-up: three sets of processes + DCP daemons

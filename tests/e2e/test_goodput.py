@@ -178,6 +178,7 @@ def test_drill_two_kills(tmp_path):
             "2",
             "--seed",
             "3",
+            "--cpu",
             "--",
             "experiment=smoke",
             "trainer.max_steps=80",
@@ -198,6 +199,11 @@ def test_drill_two_kills(tmp_path):
     # alone does not order the two runs; the restarts' gaps and redone steps are lost time
     assert faulty["lost_s"] > clean["lost_s"]
     assert faulty["same_model"] is True
+    assert faulty["wall_vs_clean"] == pytest.approx(clean["wall_s"] / faulty["wall_s"], abs=1e-3)
+    cpu = json.loads((tmp_path / "bench" / "drill.json").read_text())["cpu"]["faulty"]  # --cpu
+    assert cpu["restarts"] == 2 and cpu["restart_cpu_s"]["ranks"] > 0  # the new rank's start-up
+    assert 0 < cpu["sampler_cpu_share"] < 1
+    assert "CPU seconds per restart" in out.stdout
 
 
 def test_advise_uses_the_runs_measured_stall(smoke_reference):
