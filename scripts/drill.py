@@ -118,15 +118,15 @@ def run(root: str, name: str, overrides: list[str], cpu: bool = False) -> dict:
 def cpu_per_failure(tree: TreeCPU, s: dict, elapsed: float, settle_s: float = 2.0) -> dict | None:
     """Mean CPU seconds by process role per restart (the kill -> the first resumed step), beside the
     same length of steady training: windows starting `settle_s` after a first resumed step, kept when
-    they end before the next kill. On a machine whose cores are all busy, a failure costs about its
-    extra CPU seconds divided by the cores, wherever in the restart they are spent."""
+    they end before the next kill. The phases say where a restart waits; this says what it burns,
+    which is what it costs where every core is busy (work moved between phases costs the same)."""
     spans = [(r["at"]["failure"], r["at"]["first_step"]) for r in per_restart(s)
              if "failure" in r.get("at", {}) and "first_step" in r.get("at", {})]  # fmt: skip
     if not spans or not tree.samples:
         return None
     restart = dict.fromkeys(ROLES, 0.0)
     steady = dict.fromkeys(ROLES, 0.0)
-    steady_wall = 0.0
+    steady_wall, n_steady = 0.0, 0
     ends = [a for a, _ in spans[1:]] + [tree.samples[-1][0]]
     for (a, b), nxt in zip(spans, ends):
         for role, c in tree.window(a, b).items():
@@ -135,7 +135,7 @@ def cpu_per_failure(tree: TreeCPU, s: dict, elapsed: float, settle_s: float = 2.
         if s0 + (b - a) < nxt:
             for role, c in tree.window(s0, s0 + (b - a)).items():
                 steady[role] += c
-            steady_wall += b - a
+            steady_wall, n_steady = steady_wall + b - a, n_steady + 1
     n = len(spans)
     wall = sum(b - a for a, b in spans) / n
     return {
@@ -147,7 +147,7 @@ def cpu_per_failure(tree: TreeCPU, s: dict, elapsed: float, settle_s: float = 2.
         "steady_cpu_s": {k: round(v / steady_wall * wall, 3) for k, v in steady.items()}
         if steady_wall
         else None,
-        "steady_windows": sum(1 for (a, b), nxt in zip(spans, ends) if b + settle_s + (b - a) < nxt),
+        "steady_windows": n_steady,
         "sampler_cpu_share": round(tree.self_cpu_s / max(elapsed, 1e-9), 4),  # of one CPU, the drill's own
     }
 
@@ -159,7 +159,10 @@ def cpu_table(label: str, c: dict) -> str:
     rows = [[role, f"{c['restart_cpu_s'][role]:.2f}", f"{st[role]:.2f}" if st else "n/a"] for role in ROLES]
     total_r, total_s = sum(c["restart_cpu_s"].values()), sum(st.values()) if st else None
     rows.append(["all", f"{total_r:.2f}", f"{total_s:.2f}" if st else "n/a"])
-    busy = lambda v: f"{100 * v / (c['restart_wall_s'] * c['cpus']):.0f} %"  # noqa: E731
+
+    def busy(cpu_s: float) -> str:
+        return f"{100 * cpu_s / (c['restart_wall_s'] * c['cpus']):.0f} %"
+
     rows.append([f"busy ({c['cpus']} CPUs)", busy(total_r), busy(total_s) if st else "n/a"])
     n, wall, steady = c["restarts"], c["restart_wall_s"], c["steady_windows"]
     head = (f"{label}: CPU seconds per restart ({n}, {wall:.2f} s from kill to first resumed step) "
