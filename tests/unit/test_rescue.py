@@ -188,6 +188,59 @@ def test_a_rescue_commits_and_restores_like_any_commit(tmp_path, dist1):
     assert again == {"outcome": "already_committed"}
 
 
+class _Overlaps:
+    """A store whose calls in each named group wait for each other (a barrier of the group's size):
+    calls made one after another never meet, and the rescue fails with BrokenBarrierError."""
+
+    def __init__(self, inner, groups: dict[str, list[tuple[str, str]]]):
+        self.inner, self.calls, self._lock = inner, [], threading.Lock()
+        self.groups = {g: (set(m), threading.Barrier(len(m), timeout=10)) for g, m in groups.items()}
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*args, **kw):
+            rel = args[-1] if name == "put" else (args[0] if args else "")
+            with self._lock:
+                self.calls.append((name, rel))
+            for members, barrier in self.groups.values():
+                if (name, rel) in members:
+                    members.discard((name, rel))
+                    barrier.wait()
+            return fn(*args, **kw)
+
+        return call
+
+
+def test_a_single_shard_rescue_overlaps_its_round_trips_and_reads_nothing_back(tmp_path, dist1):
+    """The restart waits for the survivor's rescue, and each store round trip of it is tens of ms on
+    an object store: the two checks for a commit of the step go out together, so do the shard's
+    uploads, and the commit's search for the newest regular commit runs beside the .metadata upload.
+    The manifest and metadata of the committing rank's own shard are not read back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    mgr.save(4, app)
+    mgr.wait()
+    rel = step_dir(6, rescue=True)
+    store = _Overlaps(mgr.storage, {
+        "checks": [("exists", f"{step_dir(6)}/{COMMIT}"), ("exists", f"{rel}/{COMMIT}")],
+        "shard": [("put", f"{rel}/__0_0.distcp"), ("put", f"{rel}/rescue-0.metadata")],
+        "commit": [("put", f"{rel}/.metadata"), ("ls", "")],
+    })  # fmt: skip
+    out = write_shard(store, str(tmp_path / "staging"), 6, 0, 1, 0, 2, app.state_dict(StateDictOptions()),
+                      lambda: mgr.fields(app))  # fmt: skip
+    assert out == {"outcome": "committed"}
+    assert all(not members for members, _ in store.groups.values())  # every group met
+    assert [c for c in store.calls if c[0] in ("read_bytes", "get") or c == ("ls", f"{rel}/ranks")] == []
+    io = [c for c in store.calls if c[0] != "url"]  # 11 round trips, 3 pairs of them at once: 8 in a row
+    assert len(io) == 11, io  # (docs/checkpointing.md: "Its round trips")
+    rec = Commits(mgr.storage).committed()[0]
+    assert rec["dir"] == rel and rec["regular_step"] == 4
+    assert Commits(mgr.storage).verify(rec, local=False) is None
+
+
 def test_a_rescue_missing_a_shard_is_never_committed_nor_loaded(tmp_path, dist1):
     """fsdp's one copy is spread over its ranks: a rescue with one of two shards written (the other
     rank died) stays uncommitted, and the next start removes it."""

@@ -35,6 +35,7 @@ import pickle
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -314,24 +315,28 @@ def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, r
     the lowest holding its shard: under ddp the lowest's BatchNorm statistics are the ones the next
     step would have used, DDP broadcasts rank 0's)."""
     rel = step_dir(step, rescue=True)
-    if store.exists(f"{step_dir(step)}/{COMMIT}") or store.exists(f"{rel}/{COMMIT}"):
-        return {"outcome": "already_committed"}
-    time.sleep(defer_s)
-    me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
-    if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
-        return {"outcome": "claimed_by_another"}
-    local = os.path.join(staging_dir, rel)
-    files = _save_locally(sd, local, shard)
-    uploaded = {name: _put(store, local, rel, name) for name in files}
+    # The survivors' restart waits on this: the store's round trips that do not depend on each
+    # other go out together (a 30 ms one on an object store is the cost of the whole call here).
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rescue-io") as pool:
+        if any(pool.map(store.exists, [f"{step_dir(step)}/{COMMIT}", f"{rel}/{COMMIT}"])):
+            return {"outcome": "already_committed"}
+        time.sleep(defer_s)
+        me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
+        if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
+            return {"outcome": "claimed_by_another"}
+        local = os.path.join(staging_dir, rel)
+        files = _save_locally(sd, local, shard)
+        uploaded = dict(zip(files, pool.map(lambda name: _put(store, local, rel, name), files)))
     manifest = {"files": uploaded, "rank": rank, "shard": shard}
     store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
-    present = store.ls(f"{rel}/{RANKS}")
-    if not all(f"rescue-{s}.json" in present for s in range(n_shards)):
-        return {"outcome": "written"}
+    if n_shards > 1:  # one shard: this rank's, written just now
+        present = store.ls(f"{rel}/{RANKS}")
+        if not all(f"rescue-{s}.json" in present for s in range(n_shards)):
+            return {"outcome": "written"}
     _in_time(deadline)
     if not store.create_exclusive(f"{rel}/{CLAIMS}/commit.json", me):
         return {"outcome": "written"}
-    commit(store, local, rel, step, n_shards, world, info(), deadline)
+    commit(store, local, rel, step, n_shards, world, info(), deadline, own=manifest)
     return {"outcome": "committed"}
 
 
@@ -392,29 +397,40 @@ def _in_time(deadline: float) -> None:
 
 
 def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, info: dict,
-           deadline: float = float("inf")) -> None:  # fmt: skip
-    """Merge every shard's metadata into `.metadata` and write COMMIT.json (exclusive)."""
+           deadline: float = float("inf"), own: dict | None = None) -> None:  # fmt: skip
+    """Merge every shard's metadata into `.metadata` and write COMMIT.json (exclusive). `own`: the
+    manifest this rank wrote for its shard, whose files are in `local` (the ones it uploaded, their
+    sizes and checksums taken as they streamed out): not read back. The other shards' manifests
+    and metadata are read from the store, as untrusted input."""
     from goodput.checkpoint.backends import load_metadata
 
     files, parts, ranks = {}, [], []
     for s in range(n_shards):
-        m = parse_rescue_manifest(store.read_bytes(f"{rel}/{RANKS}/rescue-{s}.json"), s)
+        mine = own is not None and own["shard"] == s
+        data = json.dumps(own).encode() if mine else store.read_bytes(f"{rel}/{RANKS}/rescue-{s}.json")
+        m = parse_rescue_manifest(data, s)
         if m["rank"] >= world:
             raise RecordError(f"{RANKS}/rescue-{s}.json: rank {m['rank']} is not below world size {world}")
         ranks.append(m["rank"])
         meta = f"rescue-{s}.metadata"
-        path = os.path.join(local, f".{meta}.got")
-        want = m["files"][meta]
-        got = store.get(f"{rel}/{meta}", path, limit=want["bytes"])
-        if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
-            raise RecordError(f"{store.url(f'{rel}/{meta}')}: differs from {RANKS}/rescue-{s}.json")
-        with open(path, "rb") as f:
-            parts.append(load_metadata(f.read()))
-        os.unlink(path)
+        if mine:
+            with open(os.path.join(local, meta), "rb") as f:
+                parts.append(load_metadata(f.read()))
+        else:
+            path = os.path.join(local, f".{meta}.got")
+            want = m["files"][meta]
+            got = store.get(f"{rel}/{meta}", path, limit=want["bytes"])
+            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                raise RecordError(f"{store.url(f'{rel}/{meta}')}: differs from {RANKS}/rescue-{s}.json")
+            with open(path, "rb") as f:
+                parts.append(load_metadata(f.read()))
+            os.unlink(path)
         files.update({k: v for k, v in m["files"].items() if k != meta})
     atomic_write(os.path.join(local, ".metadata"), pickle.dumps(merge_metadata(parts)))
-    files[".metadata"] = _put(store, local, rel, ".metadata")  # DCP's own marker: after every shard
-    fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": newest_regular(store, step)}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rescue-io") as pool:  # two round trips at once
+        regular = pool.submit(newest_regular, store, step)
+        files[".metadata"] = _put(store, local, rel, ".metadata")  # DCP's own marker: after every shard
+        fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": regular.result()}
     record = commit_record(step, Writer(), world, files, {**info, **fields})
     _in_time(deadline)
     if not store.create_exclusive(f"{rel}/{COMMIT}", record):
