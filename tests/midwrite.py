@@ -15,6 +15,8 @@ import os
 import signal
 import time
 
+from goodput.data.loader import frozen_for_fork
+
 
 class _HalfThenBlock:
     def __init__(self, f, ready: str):
@@ -58,7 +60,8 @@ def kill_inside_the_write(fill, cache_dir: str, timeout: float = 60.0) -> None:
     if os.path.exists(ready):
         os.unlink(ready)
     p = mp.get_context("fork").Process(target=_child, args=(fill, os.path.realpath(cache_dir), ready))
-    p.start()
+    with frozen_for_fork():  # forked as DataLoader workers are
+        p.start()
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready) and p.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)

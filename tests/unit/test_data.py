@@ -14,7 +14,14 @@ from helpers import plain_write
 from midwrite import kill_inside_the_write
 
 from goodput.data.dataset import BadSampleError, DataRootError
-from goodput.data.loader import DataConfig, DatasetChangedError, ResumableLoader, eval_loader
+from goodput.data.loader import (
+    DataConfig,
+    DatasetChangedError,
+    QuietWorkersLoader,
+    ResumableLoader,
+    eval_loader,
+    frozen_for_fork,
+)
 from goodput.data.sampler import StepBatchSampler
 from goodput.data.sources import CachedSource
 from goodput.data.synthetic import make_dataset
@@ -231,14 +238,23 @@ def test_s3_root_through_moto(data_root, tmp_path, reference, s3_bucket):
     assert all(torch.equal(x, y) for x, y in zip(got, reference[0]))
 
 
-def _read_in_fork(url, rel, q):
-    s = Storage(url)
-    q.put((type(s.read_fs).__module__.split(".")[0], len(s.read_bytes(rel))))
+class _ReadsInAWorker(torch.utils.data.Dataset):
+    """Reads one file through the Storage it was given, and says which client read it and where."""
+
+    def __init__(self, store, rel):
+        self.store, self.rel = store, rel
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        client = type(self.store.read_fs).__module__.split(".")[0]
+        return client, len(self.store.read_bytes(self.rel)), os.getpid()
 
 
 def test_s3_reads_use_obstore_in_the_owning_process_and_s3fs_after_fork(data_root, s3_bucket):
-    """obstore's runtime does not survive fork: a forked DataLoader worker must fall back to s3fs
-    (a child that touched obstore would hang), and read the same bytes."""
+    """obstore's runtime does not survive fork: a DataLoader worker forked from the rank that read
+    through obstore (holding that rank's Storage) falls back to s3fs, and reads the same bytes."""
     pytest.importorskip("obstore")
     url = f"s3://{s3_bucket}/shapes"
     _upload(data_root, url)
@@ -247,13 +263,77 @@ def test_s3_reads_use_obstore_in_the_owning_process_and_s3fs_after_fork(data_roo
     assert type(store.read_fs).__module__.startswith("obstore")
     data = store.read_bytes(rel)
     assert data == Storage(data_root).read_bytes(rel)
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_read_in_fork, args=(url, rel, q))
-    p.start()
-    p.join(30)
-    assert p.exitcode == 0
-    assert q.get(timeout=1) == ("s3fs", len(data))
+    dl = QuietWorkersLoader(_ReadsInAWorker(store, rel), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork", timeout=60)  # fmt: skip
+    client, size, pid = next(iter(dl))
+    assert (client, size) == ("s3fs", len(data)) and pid != os.getpid()
+    assert type(store.read_fs).__module__.startswith("obstore")  # the rank's own client is kept
+
+
+class _Finalized:
+    """Garbage in a reference cycle whose finalizer says which process ran it."""
+
+    def __init__(self, path):
+        self.path, self.me = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _CollectsGarbage(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        import gc
+
+        gc.collect()
+        return os.getpid()
+
+
+def test_a_forked_worker_never_finalizes_what_its_parent_left_for_the_collector(tmp_path):
+    """A failed run's trainer left in a traceback cycle holds a process group, loader workers and
+    store clients: collected in a forked worker, their finalizers act on threads and sockets that
+    are not there (a segfault or a hang). The worker leaves them to the parent."""
+    import gc
+
+    marks = tmp_path / "finalized"
+    gc.disable()  # the cycle must still be uncollected when the worker forks
+    try:
+        _Finalized(marks)
+        dl = QuietWorkersLoader(_CollectsGarbage(), batch_size=None, num_workers=1,
+                                multiprocessing_context="fork", timeout=60)  # fmt: skip
+        workers = set(iter(dl))
+    finally:
+        gc.enable()
+    assert workers and os.getpid() not in workers
+    assert not marks.exists(), f"finalized in a worker (pid {marks.read_text().split()})"
+    gc.collect()
+    assert marks.read_text().split() == [str(os.getpid())]  # the parent's collector still has it
+
+
+def test_the_fork_freeze_is_undone_after_the_fork_unless_the_user_had_frozen(tmp_path):
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with frozen_for_fork():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # the rank's own garbage is collected again
+    marks = tmp_path / "finalized"
+    gc.disable()  # no collection before the freeze
+    _Finalized(marks)
+    gc.freeze()  # a user's (for copy-on-write after fork): what it froze stays frozen
+    gc.enable()
+    try:
+        with frozen_for_fork():
+            pass
+        gc.collect()
+        assert not marks.exists() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert marks.exists()
 
 
 class _SlowStorage(Storage):
@@ -287,8 +367,9 @@ def test_worker_waits_for_the_prefetch_fill_instead_of_a_second_get(data_root, t
     src.prefetch([rel], set())
     assert started.wait(10)  # the prefetch thread is inside its fill now
     q = ctx.Queue()
-    p = ctx.Process(target=_read_in_worker, args=(src, rel, q))  # forked as DataLoader workers are
-    p.start()
+    p = ctx.Process(target=_read_in_worker, args=(src, rel, q))
+    with frozen_for_fork():  # forked as DataLoader workers are
+        p.start()
     data, hit, fetched = q.get(timeout=30)
     p.join(10)
     src.close()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from goodput.data.config import DataConfig
-from goodput.data.loader import eval_loader
+from goodput.data.loader import eval_loader, frozen_for_fork
 from goodput.data.synthetic import make_dataset
 from goodput.model import SmallCNN
 from goodput.run.evaluate import default_top_k, evaluate, write_report
@@ -109,8 +109,9 @@ def _run(world: int, root: str, out: str) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")  # no new interpreter: the children share the imported modules
     procs = [ctx.Process(target=_rank, args=(r, world, root, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
+    with frozen_for_fork():  # the parent's uncollected objects are not the children's to finalize
+        for p in procs:
+            p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0, f"rank exited {p.exitcode}"

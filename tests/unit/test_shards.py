@@ -14,7 +14,7 @@ import torch
 from helpers import plain_write
 from midwrite import kill_inside_the_write
 
-from goodput.data.loader import DataConfig, ResumableLoader
+from goodput.data.loader import DataConfig, ResumableLoader, frozen_for_fork
 from goodput.data.shards import (
     INDEX,
     ShardFileList,
@@ -292,12 +292,14 @@ def test_a_fork_during_a_fill_does_not_inherit_the_shard_lock(packed, tmp_path):
     filler.start()
     time.sleep(0.2)  # mid-fill, lock held
     bystander = ctx.Process(target=time.sleep, args=(20,))  # forked now, lives on
-    bystander.start()
+    with frozen_for_fork():  # forked as DataLoader workers are
+        bystander.start()
     try:
         filler.join()
         q = ctx.Queue()
         p = ctx.Process(target=_fill_in_child, args=(packed, str(tmp_path), shard, q))
-        p.start()
+        with frozen_for_fork():
+            p.start()
         p.join(10)
         assert p.exitcode == 0, "the fill lock stayed held by a forked bystander"
         assert q.get(timeout=1) < 5
