@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -239,6 +241,31 @@ def test_a_single_shard_rescue_overlaps_its_round_trips_and_reads_nothing_back(t
     rec = Commits(mgr.storage).committed()[0]
     assert rec["dir"] == rel and rec["regular_step"] == 4
     assert Commits(mgr.storage).verify(rec, local=False) is None
+
+
+HANGS_AT_EXIT = """
+import threading
+from goodput.checkpoint.rescue import write_shard
+
+entered = threading.Semaphore(0)
+
+class Hangs:  # a store whose every call hangs
+    def exists(self, rel):
+        entered.release()
+        threading.Event().wait()
+
+args = (Hangs(), "unused", 6, 0, 1, 0, 1, {}, dict)
+threading.Thread(target=write_shard, args=args, daemon=True).start()  # as Rescue.write runs it
+assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both commit checks are out
+print("given up", flush=True)
+"""
+
+
+def test_a_process_exits_with_a_rescues_store_call_still_hanging():
+    """The rescue gives up on a store that hangs at its deadline, and the process then exits: no
+    thread it started for its round trips is joined at exit (a ThreadPoolExecutor's would be)."""
+    p = subprocess.run([sys.executable, "-c", HANGS_AT_EXIT], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "given up\n", p.stderr[-2000:]
 
 
 def test_a_rescue_missing_a_shard_is_never_committed_nor_loaded(tmp_path, dist1):

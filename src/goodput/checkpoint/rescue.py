@@ -35,8 +35,8 @@ import pickle
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -317,16 +317,15 @@ def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, r
     rel = step_dir(step, rescue=True)
     # The survivors' restart waits on this: the store's round trips that do not depend on each
     # other go out together (a 30 ms one on an object store is the cost of the whole call here).
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rescue-io") as pool:
-        if any(pool.map(store.exists, [f"{step_dir(step)}/{COMMIT}", f"{rel}/{COMMIT}"])):
-            return {"outcome": "already_committed"}
-        time.sleep(defer_s)
-        me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
-        if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
-            return {"outcome": "claimed_by_another"}
-        local = os.path.join(staging_dir, rel)
-        files = _save_locally(sd, local, shard)
-        uploaded = dict(zip(files, pool.map(lambda name: _put(store, local, rel, name), files)))
+    if any(_together(*(partial(store.exists, f"{d}/{COMMIT}") for d in (step_dir(step), rel)))):
+        return {"outcome": "already_committed"}
+    time.sleep(defer_s)
+    me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
+    if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
+        return {"outcome": "claimed_by_another"}
+    local = os.path.join(staging_dir, rel)
+    files = _save_locally(sd, local, shard)
+    uploaded = dict(zip(files, _together(*(partial(_put, store, local, rel, name) for name in files))))
     manifest = {"files": uploaded, "rank": rank, "shard": shard}
     store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
     if n_shards > 1:  # one shard: this rank's, written just now
@@ -368,6 +367,31 @@ def _save_locally(sd: dict, local: str, shard: int) -> list[str]:
     atomic_write(os.path.join(local, meta), pickle.dumps(md))
     shutil.rmtree(tmp, ignore_errors=True)
     return sorted(set(names.values())) + [meta]
+
+
+def _together(*calls) -> list:
+    """The results of `calls` (functions of no argument), run at once on daemon threads of their own.
+    Not a ThreadPoolExecutor: the interpreter joins its threads at exit, and a store call that hangs
+    must not hold the process there (the rescue's deadline gives up on it, as on the rescue's own
+    thread). The first error raises."""
+    out: list = [None] * len(calls)
+    n = len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = (True, calls[i]())
+        except BaseException as e:  # raised on the waiting thread below
+            out[i] = (False, e)
+
+    threads = [threading.Thread(target=run, args=(i,), name="rescue-io", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for ok, value in out:
+        if not ok:
+            raise value
+    return [value for _, value in out]
 
 
 def _put(store, local: str, rel: str, name: str) -> dict:
@@ -427,10 +451,10 @@ def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, in
             os.unlink(path)
         files.update({k: v for k, v in m["files"].items() if k != meta})
     atomic_write(os.path.join(local, ".metadata"), pickle.dumps(merge_metadata(parts)))
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rescue-io") as pool:  # two round trips at once
-        regular = pool.submit(newest_regular, store, step)
-        files[".metadata"] = _put(store, local, rel, ".metadata")  # DCP's own marker: after every shard
-        fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": regular.result()}
+    # DCP's own marker goes after every shard; the search for the newest regular commit beside it
+    regular, files[".metadata"] = _together(partial(newest_regular, store, step),
+                                            partial(_put, store, local, rel, ".metadata"))  # fmt: skip
+    fields = {"kind": "rescue", "rescued_by": sorted(set(ranks)), "regular_step": regular}
     record = commit_record(step, Writer(), world, files, {**info, **fields})
     _in_time(deadline)
     if not store.create_exclusive(f"{rel}/{COMMIT}", record):
