@@ -130,6 +130,9 @@ def test_concurrent_writers_get_their_own_temp_file(tmp_path):
                 f.write(byte * 100_000)
                 both_inside.wait()  # both temp files exist now
                 temps.append(sorted(n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)))
+                # and stay until both have looked: a writer that renamed first left the other
+                # listing one temp file (CI on a busy machine)
+                both_inside.wait()
                 f.write(byte * 100_000)
         except BaseException as e:
             errors.append(e)
