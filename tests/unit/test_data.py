@@ -270,6 +270,45 @@ def test_s3_reads_use_obstore_in_the_owning_process_and_s3fs_after_fork(data_roo
     assert type(store.read_fs).__module__.startswith("obstore")  # the rank's own client is kept
 
 
+class _Client:
+    """Stands for a store client: its finalizer says which process ran it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _OpensItsStore(torch.utils.data.Dataset):
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return self.store.fs is not None and self.store.read_fs is not None, os.getpid()
+
+
+def test_a_forked_worker_replaces_its_ranks_store_clients_without_finalizing_them(data_root, tmp_path):
+    """s3fs's session closes on its parent's event-loop thread, obstore's client on its runtime's:
+    neither thread is in a forked worker. The worker makes its own clients and leaves the rank's
+    alone: they are finalized in the rank, once, when it drops them."""
+    marks = tmp_path / "finalized"
+    store = Storage(data_root)
+    store._read_fs, store._get = _Client(marks), _Client(marks)  # the rank's clients, as obstore's
+    dl = QuietWorkersLoader(_OpensItsStore(store), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork", timeout=60)  # fmt: skip
+    opened, pid = next(iter(dl))
+    del dl
+    assert opened and pid != os.getpid()
+    assert not marks.exists(), f"the rank's client was finalized in pid {marks.read_text().split()}"
+    del store
+    assert marks.read_text().split() == [str(os.getpid())] * 2
+
+
 class _Finalized:
     """Garbage in a reference cycle whose finalizer says which process ran it."""
 

@@ -28,6 +28,9 @@ from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
 
 
+_INHERITED: list = []  # in a forked process: the clients its Storage objects came with
+
+
 class StorageError(OSError):
     """A remote operation failed for good (after retries)."""
 
@@ -157,6 +160,9 @@ class Storage:
         # DataLoader workers are forked: clients such as s3fs's are not fork-safe, and fsspec's
         # instance cache would hand the parent's back. Make a fresh one in each new process.
         if os.getpid() != self._pid:
+            # The parent's clients stay referenced, never finalized here: their destructors would
+            # act on the parent's event loop and runtime threads, which a fork does not copy.
+            _INHERITED.append((self._fs, self._read_fs, self._get))
             self._fs, self._base = self._open(skip_instance_cache=True)
             self._pid = os.getpid()
             self._rng = random.Random()
