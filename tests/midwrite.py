@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 
@@ -39,12 +40,13 @@ class _HalfThenBlock:
         return getattr(self._f, name)
 
 
-def _child(fill, under: str, ready: str) -> None:
+def _child(fill, under: str, ready: str, where: str) -> None:
     real_open, real_fdopen = builtins.open, os.fdopen
 
     def wrap(f, path, mode):
         writing = any(c in str(mode) for c in "wax+")
-        return _HalfThenBlock(f, ready) if writing and os.path.realpath(path).startswith(under) else f
+        path = re.sub(r"/\.part-[0-9a-f]+-(.+)\.tmp$", r"/\1", os.path.realpath(path))  # atomic_file's temp name
+        return _HalfThenBlock(f, ready) if writing and path.startswith(under) and where in path else f
 
     builtins.open = lambda file, mode="r", *a, **kw: wrap(real_open(file, mode, *a, **kw), file, mode)
     os.fdopen = lambda fd, mode="r", *a, **kw: wrap(
@@ -53,21 +55,23 @@ def _child(fill, under: str, ready: str) -> None:
     fill()
 
 
-def kill_inside_the_write(fill, cache_dir: str, timeout: float = 60.0) -> None:
-    """Run `fill()` in a forked child, SIGKILL it once it has half-written a file under `cache_dir`.
+def kill_inside_the_write(fill, cache_dir: str, timeout: float = 60.0, where: str = "") -> None:
+    """Run `fill()` in a forked child, SIGKILL it once it has half-written a file under `cache_dir`
+    (the first whose path, a temp file's by its final name, contains `where`).
     Fails (AssertionError) if the fill never wrote there: the drill did not exercise the fill."""
     ready = os.path.join(os.path.dirname(os.path.realpath(cache_dir)), f".midwrite-{os.getpid()}")
     if os.path.exists(ready):
         os.unlink(ready)
-    p = mp.get_context("fork").Process(target=_child, args=(fill, os.path.realpath(cache_dir), ready))
+    p = mp.get_context("fork").Process(target=_child, args=(fill, os.path.realpath(cache_dir), ready, where))
     with frozen_for_fork():  # forked as DataLoader workers are
         p.start()
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready) and p.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
     wrote = os.path.exists(ready)
-    os.kill(p.pid, signal.SIGKILL)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
     p.join()
     if wrote:
         os.unlink(ready)
-    assert wrote, f"the fill never wrote under {cache_dir} (exit code {p.exitcode})"
+    assert wrote, f"the fill never wrote {where!r} under {cache_dir} (exit code {p.exitcode})"

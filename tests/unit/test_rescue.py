@@ -114,6 +114,41 @@ def _boundary_without_buffers(self, step, evaluated=True, stop_reason=None):
     self._buffers = {}  # nothing noted: the live statistics are written
 
 
+# evaluations at 3, 6, 9, 12; val/loss never improves by 10 after the first: early stopping at 9
+EVALS = ["trainer.eval_every_n_steps=3", "trainer.early_stopping_by=val/loss", "trainer.early_stopping_patience=2",
+         "trainer.early_stopping_min_delta=10", "checkpoint.keep_best_by=val/loss", "checkpoint.keep_best_mode=min"]  # fmt: skip
+
+
+def test_a_failure_inside_an_evaluation_rescues_its_step_and_the_relaunch_evaluates_it_first(
+    tmp_path, one_process, monkeypatch
+):
+    """The step's update is done when its evaluation fails: the rescue writes that step, marked
+    `evaluate_first`, and the relaunch evaluates it before its next step. Skipping that evaluation
+    would leave the early-stopping counter one short: the run would stop three steps later."""
+    from goodput.run import loop
+
+    ref, _ = run_job_here(tmp_path / "ref", *NET, *EVALS)
+    assert ref["steps"] == 9 and ref["stop_reason"] == "early_stopping"
+    calls, real = [], loop.evaluate
+
+    def fails_at_step_6(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("evaluation failed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", fails_at_step_6)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        run_job_here(tmp_path / "a", *NET, *EVALS)
+    rec = Commits(Storage(str(ckpt_dir(tmp_path / "a")))).committed()[0]
+    assert rec["dir"] == "step-000000006.rescue" and rec["evaluate_first"] is True
+    monkeypatch.setattr(loop, "evaluate", real)
+    s, _ = run_job_here(tmp_path / "a", *NET, *EVALS)
+    assert s["resumed_from_steps"] == [6]
+    for k in ("steps", "stop_reason", "model_sha256", "val", "best_step", "best_value"):
+        assert s[k] == ref[k], k
+
+
 def test_a_rescue_that_runs_out_of_time_is_never_loaded(tmp_path, one_process, monkeypatch):
     slow_put = rescue_mod._put
 
@@ -278,7 +313,11 @@ def test_a_rescue_missing_a_shard_is_never_committed_nor_loaded(tmp_path, dist1)
     assert not store.exists(step_dir(6, rescue=True))
 
 
-def test_a_rescue_killed_mid_write_is_never_loaded(tmp_path, dist1):
+# every file a one-shard rescue writes to the store, in order: the claim, the data, the shard's
+# metadata and manifest, the commit claim, the merged metadata, the commit record
+@pytest.mark.parametrize("where", ["claims/0.json", ".distcp", "rescue-0.metadata", "rescue-0.json",
+                                   "claims/commit.json", "/.metadata", "COMMIT.json"])  # fmt: skip
+def test_a_rescue_killed_mid_write_is_never_loaded(tmp_path, dist1, where):
     from midwrite import kill_inside_the_write
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -292,9 +331,12 @@ def test_a_rescue_killed_mid_write_is_never_loaded(tmp_path, dist1):
     def rescue():
         write_shard(Storage(remote), str(tmp_path / "staging"), 6, 0, 1, 0, 2, sd, lambda: mgr.fields(app))
 
-    kill_inside_the_write(rescue, remote)
+    kill_inside_the_write(rescue, remote, where=where)
     assert os.path.isdir(os.path.join(remote, step_dir(6, rescue=True)))  # it got as far as the store
     assert [r["step"] for r in Commits(Storage(remote)).committed()] == [4]
+    other, _, _ = make_app(1)
+    rec, skipped = manager(tmp_path, "dcp_sync", dist1).restore(other, Commits(Storage(remote)).committed())
+    assert rec["step"] == 4 and not skipped
 
 
 @pytest.mark.parametrize(
