@@ -430,6 +430,10 @@ def test_merged_metadata_refuses_shards_that_do_not_cover_a_tensor():
         merge_metadata([shard(0), shard(2, size=(4, 3))])
 
 
+GOOD_RECORD = {"attempt": 0, "rank": 0, "time": 1.0, "reached": 3, "step": 3, "outcome": "committed",
+               "seconds": 1}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name, data",
     [
@@ -449,14 +453,35 @@ def test_merged_metadata_refuses_shards_that_do_not_cover_a_tensor():
             b'{"attempt": 0, "rank": 0, "time": 1.0, "reached": 3, "step": 3,'
             b' "outcome": "committed", "seconds": 1}',
         ),
-    ],
-)
+    ]
+    + [("attempt0000-rank0.json", json.dumps({**GOOD_RECORD, **change}).encode()) for change in (
+        {"rank": 1},  # not the file's
+        {"outcome": "exploded"},  # summarize_rescues would count it nowhere
+        {"outcome": 1},
+        {"step": -1},
+        {"step": "3"},
+        {"time": "yesterday"},
+        {"seconds": float("nan")},
+        {"attempt": True},
+    )]
+    + [("attempt0000-rank0.json", json.dumps({k: v for k, v in GOOD_RECORD.items() if k != gone}).encode())
+       for gone in ("outcome", "seconds", "reached")],
+)  # fmt: skip
 def test_a_malformed_rescue_record_is_moved_aside_naming_it(tmp_path, caplog, name, data):
     store = Storage(str(tmp_path))
     store.write_bytes(f"rescues/{name}", data)
     assert Rescues(store).records() == []
     assert f"rescues/{name}" in caplog.text
     assert not store.exists(f"rescues/{name}")  # moved aside, kept under another name
+
+
+def test_every_outcome_a_rescue_records_is_read_back(tmp_path):
+    """The control of the test above: each outcome Rescue writes (and step null: nothing to write) passes."""
+    store = Storage(str(tmp_path))
+    for i, outcome in enumerate(rescue_mod.OUTCOMES):
+        rec = {**GOOD_RECORD, "attempt": i, "outcome": outcome, "step": None if outcome == "nothing_new" else 3}
+        store.write_bytes(f"rescues/attempt{i:04d}-rank0.json", json.dumps(rec).encode())
+    assert [r["outcome"] for r in Rescues(store).records()] == list(rescue_mod.OUTCOMES)
 
 
 def test_a_ranks_streams_at_a_boundary_are_known_without_its_state():
@@ -554,6 +579,31 @@ def test_a_rescue_past_its_deadline_commits_nothing(tmp_path, dist1):
         write_shard(mgr.storage, str(tmp_path / "staging"), 6, 0, 1, 0, 2, app.state_dict(StateDictOptions()),
                     lambda: mgr.fields(app), deadline=0.0)  # fmt: skip
     assert Commits(mgr.storage).committed() == []
+
+
+@pytest.mark.parametrize("slow", ["rescue-0.metadata", ".metadata"])  # the shard's upload; the merged one
+def test_a_rescue_whose_upload_outlasts_its_deadline_commits_nothing(tmp_path, dist1, monkeypatch, slow):
+    """The bound is checked again after the last upload, right before COMMIT.json: an upload that
+    ran past it (a slow store) leaves the rescue uncommitted, so the relaunch does not wait on it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    mgr.save(4, app)
+    mgr.wait()
+    real = rescue_mod._put
+
+    def put(store, local, rel, name):
+        if name == slow:
+            time.sleep(1.5)
+        return real(store, local, rel, name)
+
+    monkeypatch.setattr(rescue_mod, "_put", put)
+    with pytest.raises(TimeoutError):
+        write_shard(mgr.storage, str(tmp_path / "staging"), 6, 0, 1, 0, 2, app.state_dict(StateDictOptions()),
+                    lambda: mgr.fields(app), deadline=time.monotonic() + 1.0)  # fmt: skip
+    assert mgr.storage.exists(step_dir(6, rescue=True) + "/" + slow)  # the upload itself finished
+    assert [r["step"] for r in Commits(mgr.storage).committed()] == [4]
 
 
 def test_the_rescue_of_an_early_stop_says_so(tmp_path):

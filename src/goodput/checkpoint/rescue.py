@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 CLAIMS = "claims"
 DEFER_S = 0.5  # how long a shard's other holders let its lowest rank claim it first
 RECORDS = "rescues"  # beside the checkpoints: one record per rank that tried (goodput.resilience.bookkeeping)
+# what a record's outcome can be (docs/goodput.md): the summary counts failures by these names
+OUTCOMES = ("committed", "written", "claimed_by_another", "already_committed", "in_update", "nothing_new",
+            "timed_out", "failed")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -529,6 +532,7 @@ def check_record(data: bytes, what: str) -> dict:
     field(rec, "reached", int, what, minimum=0)
     if field(rec, "step", (int, type(None)), what) is not None:
         field(rec, "step", int, what, minimum=0)
-    field(rec, "outcome", str, what)
+    if field(rec, "outcome", str, what) not in OUTCOMES:
+        raise RecordError(f"{what}: outcome {rec['outcome'][:40]!r} is none of {', '.join(OUTCOMES)}")
     field(rec, "seconds", (int, float), what, minimum=0)
     return rec
