@@ -45,7 +45,8 @@ def _child(fill, under: str, ready: str, where: str) -> None:
 
     def wrap(f, path, mode):
         writing = any(c in str(mode) for c in "wax+")
-        path = re.sub(r"/\.part-[0-9a-f]+-(.+)\.tmp$", r"/\1", os.path.realpath(path))  # atomic_file's temp name
+        # an atomic_file temp name by its final name
+        path = re.sub(r"/\.part-[0-9a-f]+-(.+)\.tmp$", r"/\1", os.path.realpath(path))
         return _HalfThenBlock(f, ready) if writing and path.startswith(under) and where in path else f
 
     builtins.open = lambda file, mode="r", *a, **kw: wrap(real_open(file, mode, *a, **kw), file, mode)

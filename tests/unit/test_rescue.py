@@ -115,8 +115,9 @@ def _boundary_without_buffers(self, step, evaluated=True, stop_reason=None):
 
 
 # evaluations at 3, 6, 9, 12; val/loss never improves by 10 after the first: early stopping at 9
-EVALS = ["trainer.eval_every_n_steps=3", "trainer.early_stopping_by=val/loss", "trainer.early_stopping_patience=2",
-         "trainer.early_stopping_min_delta=10", "checkpoint.keep_best_by=val/loss", "checkpoint.keep_best_mode=min"]  # fmt: skip
+EVALS = ["trainer.eval_every_n_steps=3", "trainer.early_stopping_by=val/loss",
+         "trainer.early_stopping_patience=2", "trainer.early_stopping_min_delta=10",
+         "checkpoint.keep_best_by=val/loss", "checkpoint.keep_best_mode=min"]  # fmt: skip
 
 
 def test_a_failure_inside_an_evaluation_rescues_its_step_and_the_relaunch_evaluates_it_first(
@@ -479,7 +480,8 @@ def test_every_outcome_a_rescue_records_is_read_back(tmp_path):
     """The control of the test above: each outcome Rescue writes (and step null: nothing to write) passes."""
     store = Storage(str(tmp_path))
     for i, outcome in enumerate(rescue_mod.OUTCOMES):
-        rec = {**GOOD_RECORD, "attempt": i, "outcome": outcome, "step": None if outcome == "nothing_new" else 3}
+        step = None if outcome == "nothing_new" else 3
+        rec = {**GOOD_RECORD, "attempt": i, "outcome": outcome, "step": step}
         store.write_bytes(f"rescues/attempt{i:04d}-rank0.json", json.dumps(rec).encode())
     assert [r["outcome"] for r in Rescues(store).records()] == list(rescue_mod.OUTCOMES)
 

@@ -27,7 +27,6 @@ from goodput.storage.local import atomic_file, atomic_write, exclusive_write
 from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
 
-
 _INHERITED: list = []  # in a forked process: the clients its Storage objects came with
 
 
