@@ -352,6 +352,9 @@ def test_a_rescue_killed_mid_write_is_never_loaded(tmp_path, dist1, where):
         ({"regular_step": 6}, "bad regular_step"),
         ({"regular_step": -1}, "bad regular_step"),
         ({"regular_step": "4"}, "bad regular_step"),
+        ({"time": "x"}, "bad time"),  # a restart compares it with the hang markers' times
+        ({"time": float("nan")}, "bad time"),
+        ({"time": True}, "bad time"),
     ],
 )
 def test_a_malformed_rescue_commit_is_refused_naming_the_file(tmp_path, dist1, caplog, change, why):
@@ -370,28 +373,21 @@ def test_a_regular_commit_in_a_rescue_dir_and_a_rescue_in_a_regular_dir_are_refu
     assert "kind 'rescue' does not match the directory step-000000006" in caplog.text
 
 
+_FILE = {"bytes": 1, "xxh3_128": "0" * 32}
+_SHARD1 = {"rank": 1, "shard": 1, "files": {"rescue-1.metadata": _FILE}, "evaluated": True}
+
+
 @pytest.mark.parametrize(
     "manifest, why",
     [
         (b"{", "rescue-1.json"),
         (b'{"rank": 0, "shard": 0, "files": {}}', "'shard' is 0, the file name says 1"),
-        (b'{"rank": -1, "shard": 1, "files": {}}', "rank"),
-        (
-            b'{"rank": 1, "shard": 1, "files": {"../x": {"bytes": 1, "xxh3_128": "' + b"0" * 32 + b'"}}}',
-            "../x",
-        ),
-        (
-            b'{"rank": 1, "shard": 1, "files": {"__1_0.distcp": {"bytes": 1, "xxh3_128": "'
-            + b"0" * 32
-            + b'"}}}',
-            "lists no rescue-1.metadata",
-        ),
-        (
-            b'{"rank": 7, "shard": 1, "files": {"rescue-1.metadata": {"bytes": 1, "xxh3_128": "'
-            + b"0" * 32
-            + b'"}}}',
-            "not below world size 2",
-        ),
+        (json.dumps({**_SHARD1, "rank": -1}).encode(), "'rank' is -1"),
+        (json.dumps({**_SHARD1, "files": {"../x": _FILE}}).encode(), "../x"),
+        (json.dumps({**_SHARD1, "files": {"__1_0.distcp": _FILE}}).encode(), "lists no rescue-1.metadata"),
+        (json.dumps({**_SHARD1, "evaluated": "yes"}).encode(), "'evaluated' is 'yes'"),
+        (json.dumps({k: v for k, v in _SHARD1.items() if k != "evaluated"}).encode(), "no 'evaluated'"),
+        (json.dumps({**_SHARD1, "rank": 7}).encode(), "not below world size 2"),
     ],
 )
 def test_a_malformed_shard_manifest_stops_the_commit_naming_it(tmp_path, dist1, manifest, why):
@@ -560,6 +556,71 @@ def test_a_stuck_main_thread_is_rescued_by_the_requesting_thread(tmp_path, monke
     th.start()
     th.join(10)  # the main thread never reaches a boundary
     assert got["outcome"] == "committed" and got["step"] == 4
+
+
+def test_the_bound_counts_from_the_request_not_from_the_end_of_the_hand_over(tmp_path, monkeypatch):
+    """The grace and the bound together fit before the agent's SIGKILL (checked at compose time):
+    the hand-over wait (a third of the bound) must come out of the bound, not be added to it."""
+    app, _, _ = make_app(0)
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path, timeout_s=6.0)  # the hand-over waits 2 s
+    r.boundary(3)
+    r.boundary(4)
+    monkeypatch.setattr(rescue_mod, "write_shard", lambda *a, **kw: time.sleep(30))  # a store that hangs
+    got = {}
+    t0 = time.monotonic()
+    th = threading.Thread(target=lambda: got.update(r.request("no step boundary after SIGTERM")))
+    th.start()
+    th.join(20)
+    took = time.monotonic() - t0
+    assert got["outcome"] == "timed_out" and 6.0 <= took < 7.5, took  # not 2 + 6
+
+
+def _two_shard_writers(tmp_path, dist1):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    mgr.save(4, app)
+    mgr.wait()
+    sd = app.state_dict(StateDictOptions())
+
+    def write(shard, rank, **kw):
+        return write_shard(mgr.storage, str(tmp_path / f"staging{rank}"), 6, shard, 2, rank, 2, sd,
+                           lambda: mgr.fields(app), **kw)  # fmt: skip
+
+    return mgr.storage, write
+
+
+def test_shards_noted_before_and_after_the_steps_evaluation_are_never_committed_together(tmp_path, dist1):
+    """A peer killed inside the evaluation's all-reduce: it can end on some ranks and not on
+    others, so one shard's writer holds the run state before the evaluation (its counter, best and
+    metrics not updated, `evaluate_first`) and the other's after. Together they are neither."""
+    store, write = _two_shard_writers(tmp_path, dist1)
+    assert write(0, 0, evaluated=False) == {"outcome": "written"}
+    with pytest.raises(ValueError, match="noted before and after step 6's evaluation"):
+        write(1, 1, evaluated=True)
+    assert [r["step"] for r in Commits(store).committed()] == [4]
+
+
+def test_shards_noted_at_the_same_point_commit(tmp_path, dist1):
+    """The control of the test above."""
+    store, write = _two_shard_writers(tmp_path, dist1)
+    assert write(0, 0, evaluated=False) == {"outcome": "written"}
+    assert write(1, 1, evaluated=False) == {"outcome": "committed"}
+    assert [r["step"] for r in Commits(store).committed()] == [6, 4]
+
+
+def test_a_shard_finished_past_the_bound_publishes_no_manifest(tmp_path, dist1, monkeypatch):
+    """A manifest makes a shard count for another rank's commit: a writer past its bound (which
+    has recorded `timed_out`) must not hand a shard to a peer whose bound is later."""
+    store, write = _two_shard_writers(tmp_path, dist1)
+    real = rescue_mod._put
+    monkeypatch.setattr(rescue_mod, "_put", lambda *a: (time.sleep(1.5), real(*a))[1])
+    with pytest.raises(TimeoutError):
+        write(0, 0, deadline=time.monotonic() + 1.0)
+    assert store.exists(step_dir(6, rescue=True) + "/rescue-0.metadata")  # its upload finished
+    assert not store.exists(step_dir(6, rescue=True) + "/ranks/rescue-0.json")
 
 
 def test_nothing_is_rescued_or_recorded_before_the_first_boundary(tmp_path):

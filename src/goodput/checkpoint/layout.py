@@ -23,6 +23,7 @@ untrusted input: names are checked before they become local paths.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -149,6 +150,9 @@ def parse_commit(data: bytes, rel: str) -> dict:
         isinstance(metric, dict) and all(isinstance(k, str) and _number(v) for k, v in metric.items())
     ):
         raise CommitError(f"bad metric record {metric!r}")
+    when = rec.get("time", 0.0)  # when the state was saved: a restart counts the stalls after it
+    if not (_number(when) and math.isfinite(when)):
+        raise CommitError(f"bad time {when!r}")
     if not isinstance(rec.get("stop_reason"), str | None):
         raise CommitError(f"bad stop_reason {rec.get('stop_reason')!r}")
     kind = rec.get("kind", "regular")

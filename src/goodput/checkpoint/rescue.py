@@ -124,6 +124,7 @@ class Rescue:
         self._result: dict | None = None
         self._requested: str | None = None
         self._handed = threading.Event()
+        self._asked: float | None = None  # when another thread asked: the bound counts from there
 
     # -- the loop's side ---------------------------------------------------------------------------
     def boundary(self, step: int, evaluated: bool = True, stop_reason: str | None = None) -> None:
@@ -189,14 +190,17 @@ class Rescue:
             if self._result is not None or not self.enabled:
                 return self._result or {"outcome": "off"}
             self._requested = why
+            self._asked = time.monotonic()
         handoff_s = min(5.0, self.timeout_s / 3) if handoff_s is None else handoff_s
         if handoff_s > 0 and self._handed.wait(handoff_s):
             return self._result
         return self.write(why)  # the main thread is stuck: while this writes, it cannot pass a boundary
 
     def _bounded(self, why: str) -> dict:
-        deadline = time.monotonic() + self.timeout_s
         t0 = time.monotonic()
+        # from the request, not from the end of the hand-over wait: the grace and the bound together
+        # are what fits before the agent's SIGKILL (checked at compose time)
+        deadline = (self._asked if self._asked is not None else t0) + self.timeout_s
         out = {"attempt": self.attempt(), "rank": self.rank, "time": time.time(), "reason": why[:500],
                "reached": self.reached, "step": self.step, "shard": self.shard}  # fmt: skip
         if not self.enabled or self.since is None:  # off, or failed before training (nothing to save)
@@ -243,7 +247,7 @@ class Rescue:
             defer = DEFER_S if self._buffers and self.rank != self.speaks_for[0] else 0.0
             box.update(write_shard(self.store, self.staging_dir, step, self.shard, self.n_shards,
                                    self.rank, self.world, self.state(step), lambda: {**self.info(), **extra},
-                                   deadline, defer))  # fmt: skip
+                                   deadline, defer, evaluated=self._evaluated))  # fmt: skip
         except BaseException as e:  # CheckpointException derives from BaseException
             box["error"] = e
 
@@ -310,13 +314,15 @@ def _to_host(sd, stream):
 
 # -- the store's side: claims, shards, the commit ----------------------------------------------------
 def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, rank: int, world: int,
-                sd: dict, info, deadline: float = float("inf"), defer_s: float = 0.0) -> dict:  # fmt: skip
+                sd: dict, info, deadline: float = float("inf"), defer_s: float = 0.0,
+                evaluated: bool = True) -> dict:  # fmt: skip
     """Write shard `shard` of `n_shards` of the rescue of `step` (no collective), and commit the
     rescue if every shard is there. Returns {"outcome": ...}: `committed`, `written` (another
     rank commits), `claimed_by_another`, `already_committed`. Past `deadline` (time.monotonic) it
     commits nothing: TimeoutError. `defer_s`: wait that long before claiming (a rank that is not
     the lowest holding its shard: under ddp the lowest's BatchNorm statistics are the ones the next
-    step would have used, DDP broadcasts rank 0's)."""
+    step would have used, DDP broadcasts rank 0's). `evaluated`: `sd` was noted after the step's
+    evaluation (or it has none); the shards of one commit must agree on it."""
     rel = step_dir(step, rescue=True)
     # The survivors' restart waits on this: the store's round trips that do not depend on each
     # other go out together (a 30 ms one on an object store is the cost of the whole call here).
@@ -329,7 +335,8 @@ def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, r
     local = os.path.join(staging_dir, rel)
     files = _save_locally(sd, local, shard)
     uploaded = dict(zip(files, _together(*(partial(_put, store, local, rel, name) for name in files))))
-    manifest = {"files": uploaded, "rank": rank, "shard": shard}
+    manifest = {"files": uploaded, "rank": rank, "shard": shard, "evaluated": evaluated}
+    _in_time(deadline)  # a manifest makes the shard count for another rank's commit
     store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
     if n_shards > 1:  # one shard: this rank's, written just now
         present = store.ls(f"{rel}/{RANKS}")
@@ -415,6 +422,7 @@ def parse_rescue_manifest(data: bytes, shard: int) -> dict:
         raise RecordError(f"{what}: {e}") from None
     if f"rescue-{shard}.metadata" not in rec["files"]:
         raise RecordError(f"{what}: lists no rescue-{shard}.metadata")
+    field(rec, "evaluated", bool, what)
     return rec
 
 
@@ -431,7 +439,7 @@ def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, in
     and metadata are read from the store, as untrusted input."""
     from goodput.checkpoint.backends import load_metadata
 
-    files, parts, ranks = {}, [], []
+    files, parts, ranks, evaluated = {}, [], [], []
     for s in range(n_shards):
         mine = own is not None and own["shard"] == s
         data = json.dumps(own).encode() if mine else store.read_bytes(f"{rel}/{RANKS}/rescue-{s}.json")
@@ -439,6 +447,7 @@ def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, in
         if m["rank"] >= world:
             raise RecordError(f"{RANKS}/rescue-{s}.json: rank {m['rank']} is not below world size {world}")
         ranks.append(m["rank"])
+        evaluated.append(m["evaluated"])
         meta = f"rescue-{s}.metadata"
         if mine:
             with open(os.path.join(local, meta), "rb") as f:
@@ -453,6 +462,11 @@ def commit(store, local: str, rel: str, step: int, n_shards: int, world: int, in
                 parts.append(load_metadata(f.read()))
             os.unlink(path)
         files.update({k: v for k, v in m["files"].items() if k != meta})
+    if len(set(evaluated)) > 1:  # a peer failed inside the evaluation's collective: it ended on some ranks
+        raise RecordError(
+            f"{store.url(rel)}: its shards were noted before and after step {step}'s evaluation "
+            f"(evaluated: {evaluated}): their run state differs, committing nothing"
+        )
     atomic_write(os.path.join(local, ".metadata"), pickle.dumps(merge_metadata(parts)))
     # DCP's own marker goes after every shard; the search for the newest regular commit beside it
     regular, files[".metadata"] = _together(partial(newest_regular, store, step),
