@@ -715,6 +715,19 @@ def test_the_summary_counts_a_rescue_resumed_twice_once():
     assert (s["count"], s["steps_saved"], s["failures"]) == (1, 23, 1)
 
 
+def test_a_rescue_that_committed_after_its_writer_gave_up_and_was_resumed_is_no_failure():
+    """The writer's bound ran out while its COMMIT.json was on its way (a slow store): its record
+    says timed_out, and the relaunch resumed the rescue all the same."""
+    from goodput.resilience.accounting import summarize_rescues
+
+    attempts = [{"attempt": 0, "resumed_from": None},
+                {"attempt": 1, "resumed_from": 73, "resumed_kind": "rescue", "rescued_over": 50}]  # fmt: skip
+    late = [{"attempt": 0, "step": 73, "outcome": "timed_out", "seconds": 15.0}]
+    assert summarize_rescues(attempts, late)["failures"] == 0
+    lost = [{"attempt": 0, "step": 74, "outcome": "timed_out", "seconds": 15.0}]  # another step's
+    assert summarize_rescues(attempts, lost)["failures"] == 1
+
+
 def test_the_grace_and_the_rescue_must_fit_before_the_agents_kill():
     from helpers import check_config_change, compose_train
     from omegaconf import OmegaConf

@@ -335,9 +335,12 @@ def summarize_rescues(attempts: list[dict], records: list[dict]) -> dict:
     for r in records:
         outcomes.setdefault(r["attempt"], []).append(r["outcome"])
     tried, landed = ("timed_out", "failed", "written"), ("committed", "already_committed")
+    # a commit that landed after its writer had given up (its record says timed_out) and was resumed
+    used = {r["attempt"] for r in records if r.get("step") is not None and r["step"] in resumed}
     failures = [
-        n for n, o in outcomes.items() if any(x in tried for x in o) and not any(x in landed for x in o)
-    ]
+        n for n, o in outcomes.items()
+        if any(x in tried for x in o) and not any(x in landed for x in o) and n not in used
+    ]  # fmt: skip
     return {
         "count": len(resumed),
         "steps_saved": sum(max(0, step - a.get("rescued_over", 0)) for step, a in resumed.items()),
