@@ -206,18 +206,31 @@ def _rescue_commit(tmp_path, d, n_shards=1, step=6):
     return store, out
 
 
-def test_a_rescue_commits_and_restores_like_any_commit(tmp_path, dist1):
+@pytest.mark.parametrize("local_copy", ["intact", "tampered"])
+def test_a_rescue_commits_and_restores_like_any_commit(tmp_path, dist1, caplog, local_copy):
+    """Restored on the writer's node from its staging copy, verified; a copy that does not verify
+    is read from the store instead."""
     store, out = _rescue_commit(tmp_path, dist1)
     assert out == {"outcome": "committed"}
     rec = Commits(store).committed()[0]
     assert rec["dir"] == "step-000000006.rescue" and Commits(store).verify(rec, local=False) is None
+    data = sorted(f for f in rec["files"] if f.endswith(".distcp"))[0]
+    if local_copy == "tampered":
+        staged = tmp_path / "staging" / rec["dir"] / data
+        staged.write_bytes(b"\0" * staged.stat().st_size)  # the size matches, the checksum does not
     app, counter, _ = make_app(1)
     mgr = manager(tmp_path, "dcp_sync", dist1)
+    caplog.set_level("INFO", "goodput")
     got, skipped = mgr.restore(app, [rec])
     ref, ref_counter, _ = make_app(0)
     assert got["step"] == 6 and not skipped and counter.n == ref_counter.n == 0
     for (k, a), b in zip(app.model.state_dict().items(), ref.model.state_dict().values()):
         assert torch.equal(a, b), k
+    n = len(rec["files"])
+    if local_copy == "intact":
+        assert f"restore step-000000006.rescue: all {n} files from the node-local copy (verified)" in caplog.text
+    else:
+        assert f"{n - 1} file(s) from the node-local copy, 1 from the remote" in caplog.text
     # a second survivor finds it committed and writes nothing
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
