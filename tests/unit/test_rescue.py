@@ -228,7 +228,7 @@ def test_a_rescue_commits_and_restores_like_any_commit(tmp_path, dist1, caplog, 
         assert torch.equal(a, b), k
     n = len(rec["files"])
     if local_copy == "intact":
-        assert f"restore step-000000006.rescue: all {n} files from the node-local copy (verified)" in caplog.text
+        assert f"step-000000006.rescue: all {n} files from the node-local copy (verified)" in caplog.text
     else:
         assert f"{n - 1} file(s) from the node-local copy, 1 from the remote" in caplog.text
     # a second survivor finds it committed and writes nothing
