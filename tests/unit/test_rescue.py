@@ -636,6 +636,49 @@ def test_a_shard_finished_past_the_bound_publishes_no_manifest(tmp_path, dist1, 
     assert not store.exists(step_dir(6, rescue=True) + "/ranks/rescue-0.json")
 
 
+def _ddp_rank_with_batchnorm(tmp_path, rank: int):
+    """A Rescue of one DDP rank of 2 whose model has BatchNorm statistics of its own."""
+    from helpers import StochasticNet
+
+    from goodput.checkpoint import AppState, RNGState
+    from goodput.parallel import DDP
+
+    torch.manual_seed(rank)
+    model = StochasticNet.build(num_classes=4)
+    model(torch.randn(4, 3, 8, 8))  # the statistics differ by rank: each saw its own batch
+    app = AppState(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=rank)
+    app.register("data", _Position())
+    app.register("rng", RNGState(0, rank), per_rank=True)
+    store, staging = Storage(str(tmp_path / "ckpt")), str(tmp_path / f"staging{rank}")
+    r = rescue_mod.Rescue(True, 10.0, store, staging, rank, 2, DDP(), app, app.rank_parts["rng"], model,
+                          lambda: {})  # fmt: skip
+    r.boundary(3)
+    r.boundary(4)
+    return r, {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+
+
+def test_under_ddp_rank_0_writes_the_rescue_even_when_another_rank_gets_there_first(tmp_path):
+    """The next step would have used rank 0's BatchNorm statistics (DDP broadcasts them): so
+    rank 0's are the exact ones, and a higher rank holds back half a second before it claims."""
+    r1, _ = _ddp_rank_with_batchnorm(tmp_path, 1)
+    r0, stats0 = _ddp_rank_with_batchnorm(tmp_path, 0)
+    got = {}
+    first = threading.Thread(target=lambda: got.update({1: r1.write("a peer died")}))
+    first.start()
+    time.sleep(0.1)
+    got[0] = r0.write("a peer died")
+    first.join(20)
+    assert (got[0]["outcome"], got[1]["outcome"]) == ("committed", "claimed_by_another")
+    rec = Commits(Storage(str(tmp_path / "ckpt"))).committed()[0]
+    assert rec["rescued_by"] == [0]
+    import torch.distributed.checkpoint as dcp
+
+    back = {f"model.{k}": torch.zeros_like(v) for k, v in stats0.items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ckpt" / rec["dir"]), no_dist=True)
+    for k, v in stats0.items():
+        assert torch.equal(back[f"model.{k}"], v), k
+
+
 def test_nothing_is_rescued_or_recorded_before_the_first_boundary(tmp_path):
     """A failure during a later attempt's restore: no boundary yet, no attempt number yet (writing
     a record would overwrite attempt 0's)."""
