@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 
 from tqdm import tqdm
@@ -23,6 +24,11 @@ class Progress:
             mode = "bar" if sys.stderr.isatty() else "lines"
         mode = {True: "bar", False: None}.get(mode, mode) if rank == 0 else None
         self.lines, self.every_s, self.max_steps = mode == "lines", every_s, max_steps
+        # tqdm's default lock holds a multiprocessing RLock, a named semaphore the resource tracker
+        # of the elastic agent's process records. A rank that is SIGKILLed (a fault) or ends by
+        # os._exit (a survivor, fail_fast) never releases it, and the job ends with "There appear
+        # to be N leaked semaphore objects". Only this thread of this process writes the bar.
+        tqdm.set_lock(threading.RLock())
         self.bar = tqdm(total=max_steps, initial=step, disable=mode != "bar", dynamic_ncols=True)
         self.first, self.t0, self.shown = step, time.monotonic(), None  # this attempt's start
 
