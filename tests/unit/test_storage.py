@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 
 import pytest
+from helpers import make_app, manager
 
+from goodput.checkpoint.rescue import RECORDS
+from goodput.resilience.accounting import Attempts, Rescues
+from goodput.resilience.fault import Faults
 from goodput.storage.checksum import file_digest
 from goodput.storage.local import TEMP_PREFIX, atomic_file, atomic_write
-from goodput.storage.remote import Storage, StorageConfig, StorageError
+from goodput.storage.remote import Storage, StorageConfig, StorageError, each
 
 
 def test_local_roundtrip_and_listing(tmp_path):
@@ -207,3 +212,77 @@ def test_a_request_that_never_returns_fails_within_its_bound(silent_s3, op):
         getattr(s, op)(*args)
     took = time.monotonic() - t0
     assert took < 2 * 2 * 0.5 + 1.0, f"{op} took {took:.1f}s"  # connect+request per attempt at most
+
+
+class InFlight:
+    """Stands in for one Storage method: each call waits (at most 3 s) until `want` calls are in
+    flight at once, then all go on. Calls made one after another never get there (`most` stays 1)."""
+
+    def __init__(self, fn, want: int):
+        self.fn, self.want, self.now, self.most = fn, want, 0, 0
+        self.cv = threading.Condition()
+
+    def __call__(self, *args):
+        with self.cv:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.most >= self.want, timeout=3)
+        try:
+            return self.fn(*args)
+        finally:
+            with self.cv:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("reader", ["commits", "incomplete", "attempts", "rescues", "faults"])
+def test_what_a_start_reads_from_the_store_it_reads_several_at_a_time(tmp_path, dist1, reader):
+    """A restart waits on these reads: a record per step dir, per earlier attempt, per rescue, per
+    fired fault. One round trip after another, every failure would lengthen the next restart."""
+    n = 4
+    mgr = manager(tmp_path, "dcp_sync", dist1, keep_last=n)
+    store = mgr.storage
+    if reader == "commits":
+        app, *_ = make_app(1)
+        for step in range(1, n + 1):
+            mgr.save(step, app)
+        mgr.wait()
+    elif reader == "incomplete":
+        for step in range(1, n + 1):
+            os.makedirs(tmp_path / "remote" / f"step-{step:09d}")  # a save that never committed
+    elif reader == "attempts":
+        for _ in range(n):
+            Attempts(store).begin(None)
+    elif reader == "rescues":
+        for a in range(n):
+            rec = {"attempt": a, "rank": 0, "time": 1.0, "reached": a, "step": a, "outcome": "committed",
+                   "seconds": 0.1}  # fmt: skip
+            store.write_bytes(f"{RECORDS}/attempt{a:04d}-rank0.json", json.dumps(rec).encode())
+    else:
+        for a in range(n):
+            store.write_bytes(f"faults/kill-{a}.fired", json.dumps({"attempt": a}).encode())
+    name = "exists" if reader == "incomplete" else "read_bytes"
+    probe = InFlight(getattr(store, name), want=3)
+    setattr(store, name, probe)
+    read = {
+        "commits": lambda: [r["step"] for r in mgr.committed()],
+        "incomplete": lambda: (mgr.clean_incomplete(), sorted(os.listdir(tmp_path / "remote")))[1],
+        "attempts": lambda: [a["attempt"] for a in Attempts(store).previous()],
+        "rescues": lambda: [r["attempt"] for r in Rescues(store).records()],
+        "faults": lambda: sorted(m["attempt"] for m in Faults(store, 0).fired().values()),
+    }[reader]
+    got = read()
+    assert probe.most >= 3, f"{reader}: at most {probe.most} {name} call(s) in flight at once"
+    # what the readers return is what they returned one by one: every record, in its order
+    assert got == {"commits": [4, 3, 2, 1], "incomplete": []}.get(reader, list(range(n)))
+
+
+def test_each_keeps_the_order_and_raises_the_first_error_in_it():
+    def fn(x):
+        if x in (2, 5):
+            raise ValueError(x)
+        return x * 10
+
+    assert each(fn, range(2)) == [0, 10] and each(fn, []) == []
+    with pytest.raises(ValueError, match="2"):
+        each(fn, range(8))

@@ -11,7 +11,7 @@ import logging
 import os
 
 from goodput.checkpoint.layout import COMMIT, CommitError, newest_first, parse_commit, parse_step, step_dir
-from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, file_digest
+from goodput.storage import CHECKSUM, DIR, FOREIGN, Storage, each, file_digest
 from goodput.untrusted import regular
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,8 @@ class Commits:
                     "a symbolic link or special file" if size == FOREIGN else
                     "a file" if step is not None else f"not named {step_dir(0)[:5]}<9 digits>",
                 )  # fmt: skip
-        out = []
-        for name in newest_first(name for _, name in steps):
-            rec = self.read_commit(name)
-            if rec is not None:
-                out.append(rec)
-        return out
+        recs = each(self.read_commit, newest_first(name for _, name in steps))  # two round trips each
+        return [rec for rec in recs if rec is not None]
 
     def read_commit(self, rel: str) -> dict | None:
         """The checked commit record of step dir `rel`, or None (with a warning naming why)."""

@@ -44,7 +44,7 @@ from goodput.errors import IncompatibleCheckpoint
 from goodput.resilience.signals import signals_blocked
 from goodput.run.monitor import Best
 from goodput.storage.checksum import CHECKSUM, file_digest
-from goodput.storage.remote import DIR, FOREIGN, Storage
+from goodput.storage.remote import DIR, FOREIGN, Storage, each
 
 log = logging.getLogger(__name__)
 
@@ -369,8 +369,9 @@ class CheckpointManager:
     def clean_incomplete(self) -> None:
         """Rank 0 at start: remove step dirs that never committed (no COMMIT.json at all). A dir whose
         commit exists but fails to load is left alone: it may be someone's only copy."""
-        for name, size in self.storage.ls().items():
-            if parse_step(name) is not None and size == DIR and not self.storage.exists(f"{name}/{COMMIT}"):
+        dirs = [n for n, size in self.storage.ls().items() if parse_step(n) is not None and size == DIR]
+        for name, done in zip(dirs, each(lambda d: self.storage.exists(f"{d}/{COMMIT}"), dirs)):
+            if not done:
                 log.info("removing incomplete checkpoint %s", self.storage.url(name))
                 self.storage.rm(name, recursive=True)
 

@@ -216,15 +216,15 @@ class Attempts:
         """The records of earlier attempts, each checked as untrusted input; a malformed one (a crash
         mid-write on a store without atomic writes, a hand edit) is moved aside with a warning:
         it drops out of the restart accounting instead of crashing every relaunch."""
+        names = [
+            (k, m) for k, size in sorted(self.storage.ls("attempts").items())
+            if (m := _ATTEMPT.fullmatch(k)) and size >= 0 and f"attempts/{k}" != self.path
+        ]  # fmt: skip
         out = []
-        for k, size in sorted(self.storage.ls("attempts").items()):
-            m = _ATTEMPT.fullmatch(k)
-            if m is None or size < 0 or f"attempts/{k}" == self.path:
-                continue
+        for (k, m), data in zip(names, self.storage.read_each(f"attempts/{k}" for k, _ in names)):
             try:
-                out.append(check_attempt(self.storage.read_bytes(f"attempts/{k}"), k, int(m.group(1))))
-            except FileNotFoundError:
-                pass
+                if data is not None:  # (None: gone since the listing)
+                    out.append(check_attempt(data, k, int(m.group(1))))
             except RecordError as e:
                 set_aside(self.storage, f"attempts/{k}", e)
         return out
@@ -298,18 +298,19 @@ class Rescues:
     def records(self) -> list[dict]:
         from goodput.checkpoint.rescue import RECORDS, check_record
 
+        names = [
+            (k, m) for k, size in sorted(self.storage.ls(RECORDS).items())
+            if (m := _RESCUE.fullmatch(k)) and size >= 0
+        ]  # fmt: skip
         out = []
-        for k, size in sorted(self.storage.ls(RECORDS).items()):
-            m = _RESCUE.fullmatch(k)
-            if m is None or size < 0:
+        for (k, m), data in zip(names, self.storage.read_each(f"{RECORDS}/{k}" for k, _ in names)):
+            if data is None:  # gone since the listing
                 continue
             try:
-                rec = check_record(self.storage.read_bytes(f"{RECORDS}/{k}"), f"{RECORDS}/{k}")
+                rec = check_record(data, f"{RECORDS}/{k}")
                 if (rec["attempt"], rec["rank"]) != (int(m.group(1)), int(m.group(2))):
                     raise RecordError(f"{RECORDS}/{k}: attempt and rank differ from the file name")
                 out.append(rec)
-            except FileNotFoundError:
-                pass
             except RecordError as e:
                 set_aside(self.storage, f"{RECORDS}/{k}", e)
         return out

@@ -218,17 +218,14 @@ class Faults:
         moved aside with a warning naming it: a marker is no reason to crash every start. (The
         marker of a drill is what keeps it from firing again: one moved aside fires once more.)"""
         out = {}
-        for name in self.storage.ls("faults"):
-            if name.endswith(".fired"):
-                rel = f"faults/{name}"
-                try:
-                    out[name] = check_marker(
-                        self.storage.read_bytes(rel) or b"{}", name, self.storage.url(rel)
-                    )
-                except FileNotFoundError:
-                    pass
-                except RecordError as e:
-                    set_aside(self.storage, rel, e)
+        names = [name for name in self.storage.ls("faults") if name.endswith(".fired")]
+        for name, data in zip(names, self.storage.read_each(f"faults/{n}" for n in names)):
+            rel = f"faults/{name}"
+            try:
+                if data is not None:  # (None: gone since the listing)
+                    out[name] = check_marker(data or b"{}", name, self.storage.url(rel))
+            except RecordError as e:
+                set_aside(self.storage, rel, e)
         return out
 
     def at_step(self, step: int) -> None:

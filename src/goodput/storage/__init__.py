@@ -23,6 +23,7 @@ from goodput.storage.remote import (
     StorageConfig,
     StorageError,
     check_url,
+    each,
     is_local,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "atomic_file",
     "atomic_write",
     "check_url",
+    "each",
     "file_digest",
     "is_local",
 ]

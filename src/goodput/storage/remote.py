@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
@@ -28,6 +30,22 @@ from goodput.storage.s3 import _OBSTORE_PID, _is_s3fs, _obstore_for
 from goodput.untrusted import confined, real_root, regular, safe_rel
 
 _INHERITED: list = []  # in a forked process: the clients its Storage objects came with
+
+
+ROUND_TRIPS = 16  # requests `each` keeps in flight
+
+
+def each(fn: Callable, items: Iterable) -> list:
+    """`[fn(x) for x in items]`, up to ROUND_TRIPS at a time: for the store's small reads that a
+    start waits on (a commit record per step dir, a record per earlier attempt). Their cost is the
+    round trip (milliseconds on a network volume, tens of them on an object store), and one after
+    another they would lengthen every restart by one more per failure so far. Order kept; the
+    first error in that order is raised, as the loop would, once all have returned."""
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(ROUND_TRIPS, len(items)), thread_name_prefix="store-reads") as pool:
+        return list(pool.map(fn, items))
 
 
 class StorageError(OSError):
@@ -294,6 +312,18 @@ class Storage:
             return data
 
         return self._retry(f"read {self.url(rel)}", _read)
+
+    def read_each(self, rels: Iterable[str]) -> list[bytes | None]:
+        """read_bytes of each of `rels`, several at a time (`each`), in order; None for one that
+        is gone (removed since the listing)."""
+
+        def one(rel: str) -> bytes | None:
+            try:
+                return self.read_bytes(rel)
+            except FileNotFoundError:
+                return None
+
+        return each(one, rels)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Atomic on both sides: local files go through temp + fsync + rename; objects are atomic."""
