@@ -125,6 +125,10 @@ def test_begin_adds_the_start_ups_the_restored_ledger_lacks(tmp_path):
     assert g2.summary(25)["goodput"]["lost_steps"] == (7 - 0) + (20 - 10)
 
 
+def _no_reads(*args):
+    raise AssertionError("read from the store")
+
+
 def test_summary_gathers_every_restarts_record_and_their_medians(tmp_path, monkeypatch):
     """Three attempts, the last two after a kill at a known time: step_done's first call writes the
     restart's phase record (and the compile cost) to the attempt record and MLflow, and summary()
@@ -141,7 +145,11 @@ def test_summary_gathers_every_restarts_record_and_their_medians(tmp_path, monke
         if n:  # the kill was 1 s before this process started; the first step is marked `took` after it
             clock = SimpleNamespace(time=lambda n=n: t0 + 1000 * n - 1 + took[n])
             monkeypatch.setattr(recovery_module, "time", clock)
+        # The record is made from what `begin` read: the first step reads nothing from the store
+        # (rank 0's wait there holds up every rank's second step)
+        store.read_bytes = store.ls = g.faults.fired = _no_reads
         assert g.step_done(10 * n + 1) is True and g.step_done(10 * n + 2) is False
+        del store.read_bytes, store.ls
         g.attempts.beat(10 * n + 5)
         kills[f"kill-{n}.fired"] = {"time": t0 + 1000 * (n + 1) - 1}
         last = g

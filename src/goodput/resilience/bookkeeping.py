@@ -46,6 +46,7 @@ class Goodput:
         self.tracker, self.faults, self.compile_paid = tracker, faults, compile_paid
         self.recovery = recovery or Recovery()
         self.restarts = 0
+        self._found: tuple = ([], {}, [])  # rank 0: the earlier attempts, fault markers, rescues (`begin`)
 
     def add(self, category: str, seconds: float) -> None:
         self.ledger.add(category, seconds)
@@ -63,11 +64,15 @@ class Goodput:
         info = [0, t_start, 0.0, 0.0, 0.0]
         kind = restored.get("kind", "regular") if restored else None
         if self.rank == 0:
-            previous = self.attempts.previous()
+            # Kept for the recovery record at the first step: what the failed attempt left (its
+            # record, its fault marker, its ranks' rescue records) was all written before this start.
+            self._found = previous, fired, rescues = (
+                self.attempts.previous(), self.faults.fired(), self.rescues.records()
+            )  # fmt: skip
             uncounted = sum(a.get("startup", 0.0) for a in previous if a["attempt"] > self.ledger.attempt)
             # the restored ledger lacks the hangs detected after its save, and the rescues since
-            hung = hung_seconds(self.faults.fired(), restored.get("time", 0.0) if restored else 0.0)
-            rescued = rescue_seconds(self.rescues.records(), self.ledger.attempt)
+            hung = hung_seconds(fired, restored.get("time", 0.0) if restored else 0.0)
+            rescued = rescue_seconds(rescues, self.ledger.attempt)
             restarts = self.attempts.begin(resumed, start=t_start, resumed_kind=kind)
             if kind == "rescue":  # the regular commit the restart would have used: summary's steps_saved
                 self.attempts.record["rescued_over"] = restored.get("regular_step", 0)
@@ -110,15 +115,16 @@ class Goodput:
         attempt record (the summary gathers them), to MLflow (recovery/*, step = restart number)."""
         try:
             n = self.attempts.record["attempt"]
-            prev = next((a for a in self.attempts.previous() if a["attempt"] == n - 1), None)
-            failure, source = failure_time(self.faults.fired(), prev)
+            previous, fired, rescues = self._found  # read by `begin`: no round trip on the loop's path
+            prev = next((a for a in previous if a["attempt"] == n - 1), None)
+            failure, source = failure_time(fired, prev)
             rec = self.recovery.record(failure, source, agent_phases(self.run_dir, restart_round()))
             if "compile" in self.attempts.record:  # inside `first_step`, not a phase of its own
                 rec["compile_seconds"] = self.attempts.record["compile"]["first_step_seconds"]
             if prev is not None and rec["round"] > 0 and "round" in prev and prev["round"] < rec["round"]:
                 rec["rounds"] = rec["round"] - prev["round"]  # > 1: a round was burnt without a failure
             if prev is not None:  # the steps the failed attempt finished that this one redoes
-                tried = [r for r in self.rescues.records() if r["attempt"] == n - 1]
+                tried = [r for r in rescues if r["attempt"] == n - 1]
                 reached = max([prev["step"]] + [r["reached"] for r in tried])
                 rec["lost_steps"] = max(0, reached - (self.attempts.record["resumed_from"] or 0))
                 rec["resumed_kind"] = self.attempts.record.get("resumed_kind")
