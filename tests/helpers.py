@@ -173,7 +173,10 @@ def final_weights(ckpt_dir) -> dict:
 # differed from the 2-rank reference by 1.7e-7 to 3.7e-7 relative (measured on the four cases of
 # e2e/test_parallel.py's test_resume_on_another_world_size_or_strategy); a resume that loaded no
 # weights (fresh init at step 8, the negative controls there and in e2e/test_hsdp_runs.py) by 1.8.
-# The hsdp resumes of e2e/test_hsdp_runs.py (4 ranks -> 2) are held to the same bound.
+# The hsdp resumes of e2e/test_hsdp_runs.py (4 ranks -> 2) are held to the same bound. The rounding
+# can grow with the steps after the change: the 40-step job of e2e/test_rescue_runs.py resumed on
+# one process at step 10, 13 or 14 ends 1.2e-4 away (at 15, 16 or 20: 3e-7 to 7e-7), so that test does
+# not use this bound.
 WEIGHT_RTOL = 1e-4
 
 

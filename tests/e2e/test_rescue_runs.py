@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, TRAIN, WEIGHT_RTOL, ckpt_dir, entry_env, final_weights, run_train, weight_gap
+from helpers import REPO, TRAIN, ckpt_dir, entry_env, final_weights, run_train, weight_gap
 
 from goodput.checkpoint.commits import Commits
 from goodput.resilience.accounting import Rescues
@@ -112,8 +112,8 @@ def test_a_lost_node_is_rescued_by_the_other_and_the_job_resumes_on_the_one_left
     """Two torchrun agents on loopback, one rank each (ddp). Once training is under way the whole
     second "node" (its agent and its rank) is SIGKILLed. The first node's rank rescues the last
     finished step; the relaunch on that node alone (one process: the global batch is kept, the
-    rank takes all of it) resumes it: the sample order continues exactly, the weights within the
-    resharding tolerance of the uninterrupted two-node run."""
+    rank takes all of it) resumes it: the sample order continues exactly, and the model is the one
+    of a one-node job that lost rank 1 at the same step and resumed the same way, bit for bit."""
     import socket
 
     ref_root, root = tmp_path / "ref", tmp_path / "lost"
@@ -152,7 +152,19 @@ def test_a_lost_node_is_rescued_by_the_other_and_the_job_resumes_on_the_one_left
     _, s = run_train(root, "parallel=single", *SLOW)
     assert s["world_size"] == 1 and s["resumed_from_steps"] == [rec["step"]]
     assert s["sample_order_sha256"] == ref["sample_order_sha256"]
+    assert json.loads(json.dumps(s["rescues"]))["count"] == 1
+    # The uninterrupted run is not the reference for the weights: from the rescued step on, one
+    # process sums the gradients in another order, and what that rounding grows to depends on the
+    # step (resumed at step 10, 13 or 14 of this job: 1.2e-4 relative; at 15, 16 or 20: under 1e-6). The
+    # same loss on one node is: rank 1 of a one-node job killed at that step, its rescue resumed
+    # on one process. Same state at the step, same world size after it: the same model.
+    one = tmp_path / "one"
+    run_train(one, "parallel=ddp", *SLOW, "fault.rank=1", f"fault.kill_at_step={rec['step']}", expect_rc=None)
+    alike = Commits(Storage(str(ckpt_dir(one)))).committed()[0]
+    assert (alike["kind"], alike["step"]) == ("rescue", rec["step"])
+    _, s1 = run_train(one, "parallel=single", *SLOW)
+    assert s["model_sha256"] == s1["model_sha256"]
+    # and both are near the uninterrupted run's (a resume that loaded no weights is 1.8 away)
     gap = weight_gap(final_weights(ckpt_dir(root)), final_weights(ckpt_dir(ref_root)))
     print(f"two nodes -> one after a lost node: largest relative weight difference {gap:.2e}")
-    assert gap < WEIGHT_RTOL, gap
-    assert json.loads(json.dumps(s["rescues"]))["count"] == 1
+    assert gap < 1e-2, gap
