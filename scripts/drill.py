@@ -10,6 +10,7 @@ python scripts/drill.py --preset rescue60 # the same at a failure a minute: good
 python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
 python scripts/drill.py --mtbf 60 --kills 3 --hang-mtbf 60 --hangs 2 --hang-rank 1 -- parallel=ddp  # both
 python scripts/drill.py --preset rescue60 --cpu   # also: CPU seconds per restart by process role
+python scripts/drill.py --preset rescue60 --repeat 2 --only "rescue, rank 1"   # 2 clean/faulty pairs
 
 Each faulty run is supervised by the elastic agent (parallel.max_restarts), so restarts are automatic;
 the clean run has no faults. Prints goodput, lost work, restarts and stalls, whether the final
@@ -17,6 +18,11 @@ model_sha256 of the faulty run equals the clean one, and where each restart's ti
 per phase, from summary.json's `recovery`); with --cpu, what a restart costs in CPU seconds by
 process role (the elastic agent, its helpers, the ranks, their data workers) beside as long of
 steady training. Writes JSON and markdown under --out.
+
+Three ratios against the clean run: `vs_clean` (goodput over goodput), `wall_vs_clean` (wall over
+wall) and `steady_vs_clean` (wall over wall with each run's steps at the clean run's steady speed,
+see steady_cost), with `failure_s`, the wall seconds a failure cost, and `at_60s`, the ratio a
+failure every 60 s would give. --repeat N interleaves N rounds, each compared with its own clean run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -110,6 +117,7 @@ def run(root: str, name: str, overrides: list[str], cpu: bool = False) -> dict:
     files = sorted(glob.glob(f"{root}/runs/{name}/*/summary.json"), key=os.path.getmtime)
     s = json.loads(Path(files[-1]).read_text())
     s["elapsed"] = time.time() - t0
+    s["steady_step_s"] = steady_step_seconds(root, s)
     if tree is not None:
         s["cpu"] = cpu_per_failure(tree, s, s["elapsed"])
     return s
@@ -170,6 +178,51 @@ def cpu_table(label: str, c: dict) -> str:
     return head + "\n\n" + markdown_table(["role", "restart", "steady"], rows)
 
 
+def steady_step_seconds(root: str, s: dict) -> float | None:
+    """How fast the machine ran the loop's steps during this run: the median of the run's
+    `perf/step_seconds` (one value per log window, fetch included, the slowest rank's) in MLflow.
+    The few windows a restart disturbs (a slow first step, then batches already prefetched) do not
+    move a median of hundreds."""
+    if not s.get("mlflow_run_id"):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root}/mlflow.db"
+    history = MlflowClient(uri).get_metric_history(s["mlflow_run_id"], "perf/step_seconds")
+    return statistics.median(m.value for m in history) if history else None
+
+
+STEADY = ("steady_vs_clean", "failure_s", "at_60s")  # steady_cost's figures
+
+
+def steady_cost(s: dict, clean: dict) -> dict:
+    """What the failures cost in wall time, with this run's steps put at the clean run's steady speed.
+
+    `wall_vs_clean` carries any change of the machine's speed between two runs, and on a shared
+    machine the steps of two runs minutes apart differ by a few percent: as much as the failures
+    cost. `vs_clean` (goodput over goodput) carries the productive seconds of both, and where the
+    loader's workers share the CPU with the steps, the steps after a restart run faster (their
+    batches were prefetched during it): that charges a restart with work the clean run does inside
+    its steps. Here each run's step time is measured against itself (`steady_step_seconds`), and
+    the faulty run's wall is what it would have been at the clean run's step speed:
+        wall' = wall - steps run x (steady step s - clean's steady step s)
+    `steady_vs_clean` = clean wall / wall'; `failure_s`: (wall' - clean wall) per restart, which
+    keeps the restart's moved work on both sides; `at_60s`: the ratio a failure every 60 s of clean
+    training would give, 60 / (60 + failure_s)."""
+    g, gc = s["goodput"], clean["goodput"]
+    sf, sc = s.get("steady_step_s"), clean.get("steady_step_s")
+    if sf is None or sc is None:
+        return dict.fromkeys(STEADY)
+    ran = s["steps"] + g["lost_steps"]  # steps redone after a failure ran at this run's speed too
+    wall = g["wall_seconds"] - ran * (sf - sc)
+    per = (wall - gc["wall_seconds"]) / g["restarts"] if g["restarts"] else None
+    return {
+        "steady_vs_clean": round(gc["wall_seconds"] / wall, 4),
+        "failure_s": None if per is None else round(per, 3),
+        "at_60s": None if per is None else round(60.0 / (60.0 + per), 4),
+    }
+
+
 def row(label: str, s: dict, clean: dict | None) -> dict:
     g = s["goodput"]
     clean_wall = None if clean is None else clean["goodput"]["wall_seconds"]
@@ -192,6 +245,8 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         "vs_clean": None if clean is None else round(g["goodput"] / clean["goodput"]["goodput"], 4),
         # the same steps and the same model: the clean run's wall time over this one's
         "wall_vs_clean": None if clean is None else round(clean_wall / g["wall_seconds"], 4),
+        "steady_step_s": None if s.get("steady_step_s") is None else round(s["steady_step_s"], 5),
+        **(steady_cost(s, clean) if clean is not None else dict.fromkeys(STEADY)),
     }
 
 
@@ -226,10 +281,13 @@ def phase_table(label: str, s: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     cols = list(rows[0])
-    fmt = {"goodput": lambda v: f"{100 * v:.1f}%"}
+    ratio = lambda v: f"{v:.3f}"  # noqa: E731  (a 1 % question needs the third digit)
+    fmt = {"goodput": lambda v: f"{100 * v:.1f}%", "steady_step_s": lambda v: f"{v:.4f}"}
+    fmt.update(dict.fromkeys(("vs_clean", "wall_vs_clean", "steady_vs_clean", "at_60s"), ratio))
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [fmt.get(c, lambda v: f"{v:.2f}" if isinstance(v, float) else str(v))(r[c]) for c in cols]
+        plain = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+        cells = [str(r[c]) if r[c] is None else fmt.get(c, plain)(r[c]) for c in cols]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -263,6 +321,12 @@ def main() -> None:
         "--cpu", action="store_true",
         help="sample the faulty runs' processes (Linux): CPU seconds of a restart by process role",
     )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1, metavar="N",
+        help="N rounds of the clean run and the faulty ones, interleaved; each faulty run is compared "
+        "with its own round's clean run",
+    )  # fmt: skip
+    p.add_argument("--only", metavar="TEXT", help="only the faulty variants whose label starts with TEXT")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     a = p.parse_args()
     variants = COMPARE if a.compare else {"faulty": []}
@@ -270,8 +334,14 @@ def main() -> None:
         pre = PRESETS[a.preset]
         a.mtbf, a.kills, a.overrides = pre["mtbf"], pre["kills"], [*pre["overrides"], *a.overrides]
         variants = pre.get("variants", variants)
+    if a.only is not None:
+        variants = {k: v for k, v in variants.items() if k.startswith(a.only)}
+        if not variants:
+            p.error(f"--only {a.only!r} matches no variant")
     if a.mtbf <= 0 or a.kills < 0:
         p.error("--mtbf must be > 0 and --kills >= 0")
+    if a.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {a.repeat}")
     if a.hang and a.hang_mtbf:
         p.error("--hang (one hang at a step) and --hang-mtbf (random hangs) are exclusive")
     hangs = bool(a.hang) + (a.hangs if a.hang_mtbf else 0)
@@ -297,33 +367,41 @@ def main() -> None:
     # clean and the faulty runs start alike (without it, cheap restarts made faulty beat clean).
     print("warm-up run (data, MLflow database, file caches) ...", flush=True)
     run(a.root, f"drill-{tag}/warmup", [*a.overrides, "trainer.max_steps=1", f"seed={a.seed}"])
-    print(f"clean run ({' '.join(a.overrides) or 'defaults'}) ...", flush=True)
-    clean = run(a.root, f"drill-{tag}/clean", [*a.overrides, f"seed={a.seed}"])
-    rows = [row("clean", clean, None)]
-    for label, extra in (PRESETS[a.preset].get("clean_variants", {}) if a.preset else {}).items():
-        print(f"{label} ...", flush=True)
-        s = run(a.root, f"drill-{tag}/{slug(label)}", [*a.overrides, *extra, f"seed={a.seed}"])
-        rows.append(row(label, s, clean))
-    phases, recovery, lost, cpu = [], {}, {}, {}
-    for label, extra in variants.items():
-        hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
-        if a.hang_mtbf:
-            hang = f", hangs at {a.hang_site} with mean {a.hang_mtbf:g}s (at most {a.hangs})"
-        print(f"{label}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
-        args = [*a.overrides, *extra, *faults, f"seed={a.seed}"]
-        s = run(a.root, f"drill-{tag}/{slug(label)}", args, a.cpu)
-        rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
-        phases.append(phase_table(label, s))
-        if s.get("cpu"):
-            cpu[label] = s["cpu"]
-        recovery[label] = s.get("recovery")
-        lost[label] = [(r.get("resumed_kind"), r.get("lost_steps")) for r in per_restart(s)]
+    rows, phases, recovery, lost, cpu = [], [], {}, {}, {}
+    for k in range(1, a.repeat + 1):
+        n = f" #{k}" if a.repeat > 1 else ""  # a round's labels and run names
+        print(f"clean run{n} ({' '.join(a.overrides) or 'defaults'}) ...", flush=True)
+        clean = run(a.root, f"drill-{tag}/{slug('clean' + n)}", [*a.overrides, f"seed={a.seed}"])
+        rows.append(row("clean" + n, clean, None))
+        for label, extra in (PRESETS[a.preset].get("clean_variants", {}) if a.preset else {}).items():
+            print(f"{label}{n} ...", flush=True)
+            s = run(a.root, f"drill-{tag}/{slug(label + n)}", [*a.overrides, *extra, f"seed={a.seed}"])
+            rows.append(row(label + n, s, clean))
+        for label, extra in variants.items():
+            hang = f", hang at {a.hang} on rank {a.hang_rank}" if a.hang else ""
+            if a.hang_mtbf:
+                hang = f", hangs at {a.hang_site} with mean {a.hang_mtbf:g}s (at most {a.hangs})"
+            print(f"{label}{n}: kills with mean {a.mtbf:g}s (at most {a.kills}){hang} ...", flush=True)
+            args = [*a.overrides, *extra, *faults, f"seed={a.seed}"]
+            s = run(a.root, f"drill-{tag}/{slug(label + n)}", args, a.cpu)
+            label += n
+            rows.append(row(label, s, clean))  # checkpointing never changes the maths: same model expected
+            phases.append(phase_table(label, s))
+            if s.get("cpu"):
+                cpu[label] = s["cpu"]
+            recovery[label] = s.get("recovery")
+            lost[label] = [(r.get("resumed_kind"), r.get("lost_steps")) for r in per_restart(s)]
     table = markdown(rows)
     phase_md = "\n\n".join(p for p in phases if p)
     print(table)
     if phase_md:
         print("\nrecovery phases (median seconds per restart; each from the previous phase's end):")
         print(phase_md)
+    if a.repeat > 1:  # one line per variant: its rounds side by side
+        for label in variants:
+            got = [r for r in rows if r["run"].startswith(label + " #")]
+            figures = ("vs_clean", "wall_vs_clean", "steady_vs_clean", "failure_s")
+            print(f"{label}: " + ", ".join(f"{k} {[r[k] for r in got]}" for k in figures))
     for label, per in lost.items():  # what each failure cost: (resumed from, steps redone)
         print(f"{label}: lost steps per restart {[n for _, n in per]} (resumed from {[k for k, _ in per]})")
     cpu_md = "\n\n".join(cpu_table(label, c) for label, c in cpu.items())
@@ -338,6 +416,7 @@ def main() -> None:
         "hang_mtbf_seconds": a.hang_mtbf,
         "max_hangs": a.hangs if a.hang_mtbf else None,
         "overrides": a.overrides,
+        "repeat": a.repeat,
         "rows": rows,
         "recovery": recovery,
         "lost_steps_per_restart": lost,

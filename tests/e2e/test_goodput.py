@@ -208,6 +208,12 @@ def test_drill_two_kills(tmp_path):
     assert faulty["lost_s"] > clean["lost_s"]
     assert faulty["same_model"] is True
     assert faulty["wall_vs_clean"] == pytest.approx(clean["wall_s"] / faulty["wall_s"], abs=1e-3)
+    # each run's own steady step time, read back from its MLflow metrics, puts the faulty run's
+    # steps at the clean run's speed: what is left of the wall difference is the failures'
+    assert clean["steady_step_s"] > 0 and faulty["steady_step_s"] > 0
+    wall = faulty["wall_s"] - (80 + faulty["lost_steps"]) * (faulty["steady_step_s"] - clean["steady_step_s"])
+    assert faulty["steady_vs_clean"] == pytest.approx(clean["wall_s"] / wall, abs=2e-3)
+    assert faulty["failure_s"] == pytest.approx((wall - clean["wall_s"]) / 2, abs=0.01)
     cpu = json.loads((tmp_path / "bench" / "drill.json").read_text())["cpu"]["faulty"]  # --cpu
     assert cpu["restarts"] == 2 and cpu["restart_cpu_s"]["ranks"] > 0  # the new rank's start-up
     assert 0 < cpu["sampler_cpu_share"] < 1
