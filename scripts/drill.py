@@ -117,7 +117,7 @@ def run(root: str, name: str, overrides: list[str], cpu: bool = False) -> dict:
     files = sorted(glob.glob(f"{root}/runs/{name}/*/summary.json"), key=os.path.getmtime)
     s = json.loads(Path(files[-1]).read_text())
     s["elapsed"] = time.time() - t0
-    s["steady_step_s"] = steady_step_seconds(root, s)
+    s["steady_step_s"] = steady_step_seconds(tracking_uri(root, overrides), s)
     if tree is not None:
         s["cpu"] = cpu_per_failure(tree, s, s["elapsed"])
     return s
@@ -178,18 +178,29 @@ def cpu_table(label: str, c: dict) -> str:
     return head + "\n\n" + markdown_table(["role", "restart", "steady"], rows)
 
 
-def steady_step_seconds(root: str, s: dict) -> float | None:
+def steady_step_seconds(uri: str, s: dict) -> float | None:
     """How fast the machine ran the loop's steps during this run: the median of the run's
     `perf/step_seconds` (one value per log window, fetch included, the slowest rank's) in MLflow.
-    The few windows a restart disturbs (a slow first step, then batches already prefetched) do not
-    move a median of hundreds."""
+    The few windows a restart disturbs (a slow first step, then batches already prefetched) hardly
+    move a median of one value per `trainer.log_every_n_steps`. None, with a warning, when the
+    store cannot say: a figure is not worth the drill's other results."""
     if not s.get("mlflow_run_id"):
         return None
     from mlflow.tracking import MlflowClient
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root}/mlflow.db"
-    history = MlflowClient(uri).get_metric_history(s["mlflow_run_id"], "perf/step_seconds")
+    try:
+        history = MlflowClient(uri).get_metric_history(s["mlflow_run_id"], "perf/step_seconds")
+    except Exception as e:  # noqa: BLE001  (any store error: the figure is left out, not the drill)
+        print(f"drill: no steady step time for run {s['mlflow_run_id']} in {uri}: {e}", file=sys.stderr)
+        return None
     return statistics.median(m.value for m in history) if history else None
+
+
+def tracking_uri(root: str, overrides: list[str]) -> str:
+    """The MLflow store the runs log to: an `mlflow.tracking_uri=` override, else what the config
+    reads (MLFLOW_TRACKING_URI, else the SQLite file under paths.root)."""
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("mlflow.tracking_uri=")]
+    return given[-1] if given else os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root}/mlflow.db"
 
 
 STEADY = ("steady_vs_clean", "failure_s", "at_60s")  # steady_cost's figures
@@ -284,9 +295,9 @@ def markdown(rows: list[dict]) -> str:
     ratio = lambda v: f"{v:.3f}"  # noqa: E731  (a 1 % question needs the third digit)
     fmt = {"goodput": lambda v: f"{100 * v:.1f}%", "steady_step_s": lambda v: f"{v:.4f}"}
     fmt.update(dict.fromkeys(("vs_clean", "wall_vs_clean", "steady_vs_clean", "at_60s"), ratio))
+    plain = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        plain = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
         cells = [str(r[c]) if r[c] is None else fmt.get(c, plain)(r[c]) for c in cols]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

@@ -65,3 +65,27 @@ def test_without_a_steady_figure_or_a_restart_there_is_nothing_to_say(drill):
     assert drill.steady_cost(no_mlflow, clean) == {"steady_vs_clean": None, "failure_s": None, "at_60s": None}
     got = drill.steady_cost(summary(100, 0.1, overhead_s=5.0), clean)  # a clean run against another
     assert got["steady_vs_clean"] == pytest.approx(1.0) and got["failure_s"] is None and got["at_60s"] is None
+
+
+def test_the_steady_figure_is_read_where_the_runs_log(drill, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert drill.tracking_uri("/r", ["seed=1"]) == "sqlite:////r/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert drill.tracking_uri("/r", ["seed=1"]) == "http://mlflow:5000"
+    assert drill.tracking_uri("/r", ["mlflow.tracking_uri=sqlite:////x/m.db"]) == "sqlite:////x/m.db"
+
+
+def test_a_store_that_cannot_answer_leaves_the_figure_out_not_the_drill(drill, capsys, monkeypatch):
+    import mlflow.tracking
+
+    class Down:  # a tracking server that is gone by the time the drill reads it
+        def __init__(self, uri):
+            self.uri = uri
+
+        def get_metric_history(self, run_id, key):
+            raise ConnectionError(f"{self.uri} refused the connection")
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", Down)
+    assert drill.steady_step_seconds("http://mlflow:5000", {"mlflow_run_id": "abc"}) is None
+    assert "no steady step time for run abc in http://mlflow:5000" in capsys.readouterr().err
+    assert drill.steady_step_seconds("http://mlflow:5000", {"mlflow_run_id": None}) is None
