@@ -86,6 +86,73 @@ def test_resume_mid_epoch_is_bitwise_identical(data_root, tmp_path, reference, b
     assert b.chain.hexdigest == ref_chain
 
 
+class _Timed(torch.utils.data.Dataset):
+    """The loader's dataset, each sample's worker, start and end appended to a file (CLOCK_MONOTONIC:
+    one clock for every process); the samples in `slow` take `delay` s longer, `bad` ones raise."""
+
+    def __init__(self, inner, path, slow=(), bad=(), delay=0.05):
+        self.inner, self.path, self.slow, self.bad, self.delay = inner, path, set(slow), set(bad), delay
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, key):
+        start, i = time.monotonic(), key[1]  # the sampler's (epoch, index)
+        if i in self.bad:
+            raise ValueError(f"sample {i} is bad")
+        if i in self.slow:
+            time.sleep(self.delay)
+        out = self.inner[key]
+        with open(self.path, "a") as f:
+            f.write(f"{torch.utils.data.get_worker_info().id} {i} {start} {time.monotonic()}\n")
+        return out
+
+
+def test_the_other_workers_start_once_the_first_batch_is_made(data_root, tmp_path, reference):
+    """A (re)started rank waits for batch 0 alone: worker 0 makes it with the cores to itself, and
+    worker 1 starts on batch 1 after it, not beside it. The batches are the same."""
+    ld = loader(data_root, tmp_path / "c", workers=2)
+    first = ld.order.rank_batch(0, 0, 1)
+    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=first)
+    got = images(ld, 4)
+    ld.close()
+    assert all(torch.equal(x, y) for x, y in zip(got, reference[0]))
+    rows = [line.split() for line in (tmp_path / "samples").read_text().splitlines()]
+    made = max(float(end) for w, i, _, end in rows if w == "0" and int(i) in first)
+    worker1 = [float(start) for w, _, start, _ in rows if w == "1"]
+    assert worker1 and min(worker1) >= made, (made, sorted(worker1)[:3])
+
+
+def test_the_wait_for_the_first_batch_is_bounded(data_root, tmp_path, monkeypatch):
+    """A first batch that takes longer than the bound (FIRST_BATCH_WAIT_S, here 0.3 s): worker 1
+    starts on its batch before it is made."""
+    from goodput.data import loader as module
+
+    monkeypatch.setattr(module, "FIRST_BATCH_WAIT_S", 0.3)  # read in the forked workers
+    ld = loader(data_root, tmp_path / "c", workers=2)
+    first = ld.order.rank_batch(0, 0, 1)
+    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=first[:1], delay=2.0)
+    next(ld)
+    ld.close()
+    rows = [line.split() for line in (tmp_path / "samples").read_text().splitlines()]
+    made = max(float(end) for w, i, _, end in rows if w == "0" and int(i) in first)
+    assert min(float(start) for w, _, start, _ in rows if w == "1") < made
+
+
+def test_a_failed_first_batch_releases_the_waiting_workers(data_root, tmp_path):
+    """Worker 0's batches raise (0, 2, ...: no batch is ever made): the others, waiting for the
+    first, are let go, and stopping the loader ends them at once (not after the DataLoader's 5 s
+    join and a SIGTERM)."""
+    ld = loader(data_root, tmp_path / "c", workers=2)
+    bad = [ld.order.rank_batch(s, 0, 1)[0] for s in range(0, STEPS, 2)]
+    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", bad=bad)
+    with pytest.raises(ValueError, match="is bad"):
+        next(ld)
+    workers = list(ld._dl._iterator._workers)  # torch's (private): to read their exit codes
+    ld.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+
+
 def test_cached_and_remote_give_identical_batches(data_root, tmp_path, reference):
     ld = loader(data_root, tmp_path, backend="remote", workers=2)
     got = images(ld, STEPS)

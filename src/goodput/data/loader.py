@@ -10,16 +10,18 @@ a loader that restarted its epoch on resume or skipped a batch shows in `sample_
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from goodput.data import augment as augmentation
 from goodput.data.augment import AugmentConfig
@@ -37,13 +39,44 @@ class DatasetChangedError(IncompatibleCheckpoint):
     pass
 
 
-def _init_worker(worker_id: int) -> None:
+# How long the other workers wait for the first batch at most (FirstBatchFirst): a bound, not a
+# schedule. The main process releases them on every way out (stop_workers, a worker's error).
+FIRST_BATCH_WAIT_S = 30.0
+
+
+def _init_worker(worker_id: int, first_batch=None) -> None:
     # A preemption notice goes to the whole process group; a worker that died of it would fail the
     # main process before it could checkpoint. Workers leave shutdown to the main process...
     obey_parent_only()
     # ...and do not outlive it (see die_with_parent).
     if sys.platform == "linux":
         die_with_parent(worker_id)
+    if first_batch is not None and worker_id > 0:
+        first_batch.wait(FIRST_BATCH_WAIT_S)
+
+
+class FirstBatchFirst:
+    """The DataLoader's collate, and an event it sets once a worker has made a batch: the other
+    workers wait for it in their init before they start on theirs.
+
+    A (re)started rank needs batch 0 before anything else, but its iterator hands batch k to worker
+    k mod n at once, and every worker starts decoding while the rank restores its checkpoint: on
+    busy cores batch 0 came as late as the n-th. Worker 0 makes it alone; the rest start after,
+    while the first step computes (the work they would have done is not lost: later steps find
+    their batches ready). The order and content of the batches are unchanged."""
+
+    def __init__(self, collate, context: str | None):
+        self.collate = collate
+        self.made = multiprocessing.get_context(context).Event()
+
+    def __call__(self, samples):
+        batch = self.collate(samples)
+        if not self.made.is_set():
+            self.made.set()
+        return batch
+
+    def release(self) -> None:
+        self.made.set()
 
 
 @contextlib.contextmanager
@@ -71,12 +104,17 @@ class QuietWorkersLoader(DataLoader):
 
     def __iter__(self):
         with signals_blocked(), frozen_for_fork():
-            return _PlainErrors(super().__iter__())
+            return _PlainErrors(super().__iter__(), self._release)
+
+    def _release(self) -> None:
+        if isinstance(self.collate_fn, FirstBatchFirst):  # workers waiting for a batch that will not come
+            self.collate_fn.release()
 
     def stop_workers(self) -> None:
         """Persistent workers stopped now, not at interpreter exit: there multiprocessing terminates
         daemonic children, and torch's SIGCHLD handler turns a worker ended by SIGTERM into
         "DataLoader worker is killed by signal", exit 1 after a run that finished."""
+        self._release()  # a waiting worker reads its stop request only once it runs (else: a 5 s join)
         it, self._iterator = getattr(self, "_iterator", None), None
         shutdown = getattr(it, "_shutdown_workers", None)  # torch's own teardown (private)
         if shutdown is not None:
@@ -89,8 +127,8 @@ class _PlainErrors:
     DataLoader worker process N. Original Traceback ..." pasted into its message, and the message
     is what the entry point prints as its one line (the worker's traceback stays in the debug log)."""
 
-    def __init__(self, it):
-        self.it = it
+    def __init__(self, it, release):
+        self.it, self.release = it, release
 
     def __iter__(self):
         return self
@@ -101,7 +139,10 @@ class _PlainErrors:
     def __next__(self) -> dict:
         try:
             return next(self.it)
-        except UserError as e:
+        except BaseException as e:
+            self.release()  # the first batch failed: nobody waits for it any longer
+            if not isinstance(e, UserError):
+                raise
             plain = raised_in_worker(e)
             if plain is None:
                 raise
@@ -139,9 +180,13 @@ def data_record(storage: Storage, cfg: DataConfig) -> dict:
     return {"root": root, "dataset": json.loads(json.dumps(dict(cfg.dataset)))}
 
 
-def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.device) -> dict:
+def make_loader_kwargs(
+    num_workers: int, prefetch_factor: int, device: torch.device, first_batch_first: bool = False
+) -> dict:
     """DataLoader defaults for remote data: workers kept alive across epochs (re-forking them
-    costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA."""
+    costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA.
+    `first_batch_first`: the other workers start once the first batch is made (FirstBatchFirst;
+    new kwargs for each DataLoader: the event is the loader's)."""
     kw: dict = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
         kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_init_worker)
@@ -150,6 +195,9 @@ def make_loader_kwargs(num_workers: int, prefetch_factor: int, device: torch.dev
             # its default start method: each DataLoader worker would be a new interpreter that
             # re-imports torch (seconds of fetch after every restart). Fork, as elsewhere.
             kw["multiprocessing_context"] = "fork"
+    if first_batch_first and num_workers > 1:
+        gate = FirstBatchFirst(default_collate, kw.get("multiprocessing_context"))
+        kw.update(collate_fn=gate, worker_init_fn=functools.partial(_init_worker, first_batch=gate.made))
     return kw
 
 
@@ -193,7 +241,7 @@ class ResumableLoader:
         self.dataset = ImageDataset(
             self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, train_tf
         )
-        self.loader_kwargs = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, device)
+        self.device = device
         self.seed = seed
         self.step = 0  # next step to deliver
         self._chain = OrderHash()
@@ -228,7 +276,9 @@ class ResumableLoader:
         # A private generator: creating the iterator draws a base seed, and drawing it from the global
         # RNG would shift every later draw of a resumed run (dropout, for one) by one.
         g = torch.Generator().manual_seed(self.seed)
-        self._dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **self.loader_kwargs)
+        cfg = self.cfg
+        kw = make_loader_kwargs(cfg.num_workers, cfg.prefetch_factor, self.device, first_batch_first=True)
+        self._dl = QuietWorkersLoader(self.dataset, batch_sampler=sampler, generator=g, **kw)
         self._it, self._it_step = iter(self._dl), step  # the step the iterator's next batch is for
         self._prefetched_until = step
         self._prefetch(step)
