@@ -3,6 +3,7 @@ eviction, bad input, remote roots (memory://, s3:// through moto)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -87,8 +88,9 @@ def test_resume_mid_epoch_is_bitwise_identical(data_root, tmp_path, reference, b
 
 
 class _Timed(torch.utils.data.Dataset):
-    """The loader's dataset, each sample's worker, start and end appended to a file (CLOCK_MONOTONIC:
-    one clock for every process); the samples in `slow` take `delay` s longer, `bad` ones raise."""
+    """The loader's dataset, each sample's worker, (epoch, index), start and end appended to a file
+    (CLOCK_MONOTONIC: one clock for every process); the samples in `slow` take `delay` s longer,
+    `bad` ones raise. Samples are named by (epoch, index): an index comes again in the next epoch."""
 
     def __init__(self, inner, path, slow=(), bad=(), delay=0.05):
         self.inner, self.path, self.slow, self.bad, self.delay = inner, path, set(slow), set(bad), delay
@@ -97,29 +99,40 @@ class _Timed(torch.utils.data.Dataset):
         return len(self.inner)
 
     def __getitem__(self, key):
-        start, i = time.monotonic(), key[1]  # the sampler's (epoch, index)
-        if i in self.bad:
-            raise ValueError(f"sample {i} is bad")
-        if i in self.slow:
+        start, name = time.monotonic(), tuple(key)  # the sampler's (epoch, index)
+        if name in self.bad:
+            raise ValueError(f"sample {name} is bad")
+        if name in self.slow:
             time.sleep(self.delay)
         out = self.inner[key]
         with open(self.path, "a") as f:
-            f.write(f"{torch.utils.data.get_worker_info().id} {i} {start} {time.monotonic()}\n")
+            f.write(
+                f"{torch.utils.data.get_worker_info().id} {name[0]} {name[1]} {start} {time.monotonic()}\n"
+            )
         return out
+
+
+def _batch(ld, step: int) -> set:
+    return {(ld.order.epoch_of(step), i) for i in ld.order.rank_batch(step, 0, 1)}
+
+
+def _rows(path) -> list:
+    return [(int(w), (int(e), int(i)), float(a), float(b)) for w, e, i, a, b in
+            (line.split() for line in path.read_text().splitlines())]  # fmt: skip
 
 
 def test_the_other_workers_start_once_the_first_batch_is_made(data_root, tmp_path, reference):
     """A (re)started rank waits for batch 0 alone: worker 0 makes it with the cores to itself, and
     worker 1 starts on batch 1 after it, not beside it. The batches are the same."""
     ld = loader(data_root, tmp_path / "c", workers=2)
-    first = ld.order.rank_batch(0, 0, 1)
+    first = _batch(ld, 0)
     ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=first)
     got = images(ld, 4)
     ld.close()
     assert all(torch.equal(x, y) for x, y in zip(got, reference[0]))
-    rows = [line.split() for line in (tmp_path / "samples").read_text().splitlines()]
-    made = max(float(end) for w, i, _, end in rows if w == "0" and int(i) in first)
-    worker1 = [float(start) for w, _, start, _ in rows if w == "1"]
+    rows = _rows(tmp_path / "samples")
+    made = max(end for w, name, _, end in rows if w == 0 and name in first)
+    worker1 = [start for w, _, start, _ in rows if w == 1]
     assert worker1 and min(worker1) >= made, (made, sorted(worker1)[:3])
 
 
@@ -130,27 +143,65 @@ def test_the_wait_for_the_first_batch_is_bounded(data_root, tmp_path, monkeypatc
 
     monkeypatch.setattr(module, "FIRST_BATCH_WAIT_S", 0.3)  # read in the forked workers
     ld = loader(data_root, tmp_path / "c", workers=2)
-    first = ld.order.rank_batch(0, 0, 1)
-    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=first[:1], delay=2.0)
+    first = _batch(ld, 0)
+    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=sorted(first)[:1], delay=2.0)
     next(ld)
     ld.close()
-    rows = [line.split() for line in (tmp_path / "samples").read_text().splitlines()]
-    made = max(float(end) for w, i, _, end in rows if w == "0" and int(i) in first)
-    assert min(float(start) for w, _, start, _ in rows if w == "1") < made
+    rows = _rows(tmp_path / "samples")
+    made = max(end for w, name, _, end in rows if w == 0 and name in first)
+    assert min(start for w, _, start, _ in rows if w == 1) < made
 
 
 def test_a_failed_first_batch_releases_the_waiting_workers(data_root, tmp_path):
-    """Worker 0's batches raise (0, 2, ...: no batch is ever made): the others, waiting for the
-    first, are let go, and stopping the loader ends them at once (not after the DataLoader's 5 s
-    join and a SIGTERM)."""
+    """Worker 0's batches raise (0, 2, ...: it never makes one): the error lets the others go at
+    once (worker 1 makes its batch well within the 30 s bound), and stopping the loader ends them
+    (exit 0, not after the DataLoader's 5 s join and a SIGTERM)."""
     ld = loader(data_root, tmp_path / "c", workers=2)
-    bad = [ld.order.rank_batch(s, 0, 1)[0] for s in range(0, STEPS, 2)]
+    bad = {sorted(_batch(ld, s))[0] for s in range(0, STEPS, 2)}
     ld.dataset = _Timed(ld.dataset, tmp_path / "samples", bad=bad)
     with pytest.raises(ValueError, match="is bad"):
         next(ld)
+    deadline = time.monotonic() + 10
+    while (
+        not any(w == 1 for w, *_ in _rows(tmp_path / "samples")) if (tmp_path / "samples").exists() else True
+    ):
+        assert time.monotonic() < deadline, "worker 1 still waits for a first batch that failed"
+        time.sleep(0.05)
     workers = list(ld._dl._iterator._workers)  # torch's (private): to read their exit codes
     ld.close()
     assert [w.exitcode for w in workers] == [0, 0]
+
+
+def test_a_killed_waiting_worker_stops_nobody(data_root, tmp_path):
+    """A worker killed while it waits for the first batch (the OOM killer): worker 0 still hands
+    over batch 0 and the loader still stops. (With a multiprocessing Event, set() waits for every
+    sleeper to wake and blocked for good, in worker 0 and in the main process.)"""
+    import signal
+    import threading
+
+    ld = loader(data_root, tmp_path / "c", workers=2)
+    ld.dataset = _Timed(ld.dataset, tmp_path / "samples", slow=_batch(ld, 0), delay=0.25)
+    ld.start_at(0)  # forks the workers: worker 1 waits while worker 0 makes batch 0 (2 s)
+    workers = list(ld._dl._iterator._workers)
+    time.sleep(0.7)  # worker 1 is in its wait by now
+    with contextlib.suppress(RuntimeError):  # torch's SIGCHLD handler says so in this thread at once
+        os.kill(workers[1].pid, signal.SIGKILL)
+        workers[1].join(10)
+        time.sleep(0.5)
+    outcome = []
+
+    def first_then_stop():
+        try:
+            outcome.append(next(ld)["image"].shape[0])
+        except RuntimeError as e:  # torch reports the dead worker: also an answer
+            outcome.append(str(e))
+        ld.close()
+        outcome.append("stopped")
+
+    t = threading.Thread(target=first_then_stop, daemon=True)
+    t.start()
+    t.join(60)
+    assert outcome[-1:] == ["stopped"], outcome
 
 
 def test_cached_and_remote_give_identical_batches(data_root, tmp_path, reference):

@@ -14,9 +14,10 @@ import functools
 import gc
 import json
 import logging
-import multiprocessing
+import multiprocessing.sharedctypes
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class DatasetChangedError(IncompatibleCheckpoint):
 FIRST_BATCH_WAIT_S = 30.0
 
 
-def _init_worker(worker_id: int, first_batch=None) -> None:
+def _init_worker(worker_id: int, first_batch: FirstBatchFirst | None = None) -> None:
     # A preemption notice goes to the whole process group; a worker that died of it would fail the
     # main process before it could checkpoint. Workers leave shutdown to the main process...
     obey_parent_only()
@@ -56,27 +57,39 @@ def _init_worker(worker_id: int, first_batch=None) -> None:
 
 
 class FirstBatchFirst:
-    """The DataLoader's collate, and an event it sets once a worker has made a batch: the other
+    """The DataLoader's collate, and a flag it raises once a worker has made a batch: the other
     workers wait for it in their init before they start on theirs.
 
     A (re)started rank needs batch 0 before anything else, but its iterator hands batch k to worker
     k mod n at once, and every worker starts decoding while the rank restores its checkpoint: on
     busy cores batch 0 came as late as the n-th. Worker 0 makes it alone; the rest start after,
     while the first step computes (the work they would have done is not lost: later steps find
-    their batches ready). The order and content of the batches are unchanged."""
+    their batches ready). The order and content of the batches are unchanged.
 
-    def __init__(self, collate, context: str | None):
+    The flag is a byte of shared memory that the waiting workers poll, not a multiprocessing Event:
+    an Event's set() waits for every sleeper to wake, and blocks for good once a waiting worker was
+    killed (the OOM killer), in worker 0's collate and in the main process's release alike."""
+
+    POLL_S = 0.01
+
+    def __init__(self, collate):
         self.collate = collate
-        self.made = multiprocessing.get_context(context).Event()
+        self.made = multiprocessing.sharedctypes.RawValue("b", 0)  # no lock: one byte, only ever set
+        self._told = False  # per process: the shared byte is written once by each
 
     def __call__(self, samples):
         batch = self.collate(samples)
-        if not self.made.is_set():
-            self.made.set()
+        if not self._told:
+            self.made.value, self._told = 1, True
         return batch
 
     def release(self) -> None:
-        self.made.set()
+        self.made.value = 1
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.made.value and time.monotonic() < deadline:
+            time.sleep(self.POLL_S)
 
 
 @contextlib.contextmanager
@@ -196,8 +209,8 @@ def make_loader_kwargs(
             # re-imports torch (seconds of fetch after every restart). Fork, as elsewhere.
             kw["multiprocessing_context"] = "fork"
     if first_batch_first and num_workers > 1:
-        gate = FirstBatchFirst(default_collate, kw.get("multiprocessing_context"))
-        kw.update(collate_fn=gate, worker_init_fn=functools.partial(_init_worker, first_batch=gate.made))
+        gate = FirstBatchFirst(default_collate)
+        kw.update(collate_fn=gate, worker_init_fn=functools.partial(_init_worker, first_batch=gate))
     return kw
 
 
