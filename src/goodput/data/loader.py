@@ -199,7 +199,7 @@ def make_loader_kwargs(
     """DataLoader defaults for remote data: workers kept alive across epochs (re-forking them
     costs seconds per epoch and loses nothing but time), deep prefetch, pinned memory on CUDA.
     `first_batch_first`: the other workers start once the first batch is made (FirstBatchFirst;
-    new kwargs for each DataLoader: the event is the loader's)."""
+    new kwargs for each DataLoader: the flag is the loader's)."""
     kw: dict = {"num_workers": num_workers, "pin_memory": device.type == "cuda"}
     if num_workers > 0:
         kw.update(prefetch_factor=prefetch_factor, persistent_workers=True, worker_init_fn=_init_worker)
