@@ -150,6 +150,70 @@ def test_a_failure_inside_an_evaluation_rescues_its_step_and_the_relaunch_evalua
         assert s[k] == ref[k], k
 
 
+def test_a_failed_final_evaluation_is_not_the_end_of_the_run(tmp_path, one_process, monkeypatch):
+    """The last step's evaluation fails: its rescue (step 12, `evaluate_first`) is the newest commit.
+    A fresh launch must not call the run complete: it evaluates step 12, makes the final regular
+    commit and writes the summary of the uninterrupted run."""
+    from goodput.run import loop
+
+    ref, _ = run_job_here(tmp_path / "ref", *NET)
+    real = loop.evaluate
+
+    def fails(*a, **kw):
+        raise RuntimeError("final evaluation failed")
+
+    monkeypatch.setattr(loop, "evaluate", fails)
+    with pytest.raises(RuntimeError, match="final evaluation failed"):
+        run_job_here(tmp_path / "a", *NET)
+    store = Storage(str(ckpt_dir(tmp_path / "a")))
+    rec = Commits(store).committed()[0]
+    assert rec["dir"] == "step-000000012.rescue" and rec["evaluate_first"] is True
+    monkeypatch.setattr(loop, "evaluate", real)
+    s, _ = run_job_here(tmp_path / "a", *NET)
+    assert s is not None and s["resumed_from_steps"] == [12]
+    for k in ("steps", "model_sha256", "sample_order_sha256", "val_accuracy", "val"):
+        assert s[k] == ref[k], k
+    newest = Commits(store).committed()[0]
+    assert newest["dir"] == "step-000000012" and newest.get("kind", "regular") == "regular"
+
+
+def test_a_failed_final_save_after_early_stopping_is_finished_by_the_relaunch(
+    tmp_path, one_process, monkeypatch
+):
+    """Early stopping decides at step 9 and the final save fails: the rescue of step 9 carries the
+    evaluation, the counters and `stop_reason`. The relaunch evaluates again for the summary only
+    (the early-stopping counter and the best are not counted twice), makes the final regular commit,
+    and only then is the run complete."""
+    from goodput.checkpoint.manager import CheckpointManager
+    from goodput.run.job import AlreadyDone
+
+    ref, _ = run_job_here(tmp_path / "ref", *NET, *EVALS)
+    assert ref["steps"] == 9 and ref["stop_reason"] == "early_stopping"
+    real = CheckpointManager.maybe_save
+
+    def final_fails(self, step, app, last=False, info=None):
+        if last:
+            raise RuntimeError("final save failed")
+        return real(self, step, app, last=last, info=info)
+
+    monkeypatch.setattr(CheckpointManager, "maybe_save", final_fails)
+    with pytest.raises(RuntimeError, match="final save failed"):
+        run_job_here(tmp_path / "a", *NET, *EVALS)
+    store = Storage(str(ckpt_dir(tmp_path / "a")))
+    rec = Commits(store).committed()[0]
+    assert rec["dir"] == "step-000000009.rescue" and rec["stop_reason"] == "early_stopping"
+    assert not rec.get("evaluate_first")
+    monkeypatch.setattr(CheckpointManager, "maybe_save", real)
+    s, _ = run_job_here(tmp_path / "a", *NET, *EVALS)
+    assert s is not None and s["resumed_from_steps"] == [9]
+    for k in ("steps", "stop_reason", "model_sha256", "val_accuracy", "val", "best_step", "best_value"):
+        assert s[k] == ref[k], k
+    newest = Commits(store).committed()[0]
+    assert newest["dir"] == "step-000000009" and newest["stop_reason"] == "early_stopping"
+    with pytest.raises(AlreadyDone, match="stopped at step 9"):
+        run_job_here(tmp_path / "a", *NET, *EVALS)
+
+
 def test_a_rescue_that_runs_out_of_time_is_never_loaded(tmp_path, one_process, monkeypatch):
     slow_put = rescue_mod._put
 

@@ -135,14 +135,17 @@ def _prepare_run(
     m = c.mlflow
     if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
         close_leftovers(m.tracking_uri, m.experiment, store.url())
-    if newest is not None and newest["step"] >= c.trainer.max_steps:
+    # A rescue of the last step (its final evaluation or save failed) is not the end: the workers
+    # finish it (the evaluation, the final regular commit, the summary), as after an elastic restart.
+    unfinished = newest is not None and newest.get("kind") == "rescue"
+    if newest is not None and newest["step"] >= c.trainer.max_steps and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it reached step {newest['step']} "
             f"(trainer.max_steps={c.trainer.max_steps}); nothing to do. Raise trainer.max_steps to train "
             f"it further; a command that changes what is trained is a new run. Checkpoint: "
             f"{store.url(newest['dir'])}"
         )
-    if newest is not None and newest.get("stop_reason"):
+    if newest is not None and newest.get("stop_reason") and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it stopped at step {newest['step']} "
             f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"

@@ -44,8 +44,10 @@ def train(t) -> dict:
     top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
 
-    def after(step: int, evaluating: bool) -> bool:
-        """What follows a step: its evaluation, the stop agreement, the save. True: stop here."""
+    def after(step: int, evaluating: bool, counted: bool = False) -> bool:
+        """What follows a step: its evaluation, the stop agreement, the save. True: stop here.
+        `counted`: the evaluation of this step was counted already (best, early stopping) by the
+        attempt that wrote the restored rescue: it runs again for the summary only."""
         nonlocal last_eval, val_acc, early
         if evaluating:
             te = time.perf_counter()
@@ -60,13 +62,14 @@ def train(t) -> dict:
             val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
             t.tracker.log(metrics, step)
             progress.evaluated(step, metrics)
-            t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
-            early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
+            if not counted:
+                t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
+                early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
             t.rescue.boundary(step, evaluated=True, stop_reason="early_stopping" if early else None)
 
         stopping = stop.agreed(d.world)
         info = {"stop_reason": "early_stopping"} if early else None  # a relaunch then says: complete
-        blocking = t.ckpt.maybe_save(step, t.app, last=step == max_steps or stopping or early, info=info)
+        blocking = t.ckpt.maybe_save(step, t.app, last=step >= max_steps or stopping or early, info=info)
         if blocking is not None:
             t.goodput.add("checkpoint", blocking)
             t.tracker.log({"ckpt/blocking_seconds": blocking}, step)
@@ -80,8 +83,15 @@ def train(t) -> dict:
 
     t.model.train()
     t.rescue.boundary(step, evaluated=not t.evaluate_first)  # the restored (or initial) state
-    # A rescue written before its step's evaluation was done: that evaluation first, as it would have run
-    done = t.evaluate_first and after(step, evaluating=True)
+    # A rescue written before its step's evaluation was done: that evaluation first, as it would have
+    # run. A rescue is never the end of a run: one of its last step (or of the step early stopping
+    # stopped at) evaluates again for the summary, counted once, and makes the final regular commit.
+    final = t.resumed_rescue and (step >= max_steps or t.early_stopping.stopped_at == step)
+    early = final and t.early_stopping.stopped_at == step
+    if t.evaluate_first or final:
+        done = after(step, evaluating=True, counted=not t.evaluate_first)
+    else:
+        done = False
     while step < max_steps and not done:
         t.rng.at_step(step)  # every random stream a function of (seed, rank, step): see RNGState
         t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary

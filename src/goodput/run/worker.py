@@ -70,9 +70,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
         init_from(t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url))
-        t.evaluate_first = bool(
-            rec and rec.get("evaluate_first")
-        )  # a rescue written before its step's evaluation
+        t.evaluate_first = bool(rec and rec.get("evaluate_first"))  # a rescue before its step's evaluation
+        t.resumed_rescue = bool(rec and rec.get("kind") == "rescue")
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
