@@ -249,6 +249,28 @@ def test_inside_the_update_nothing_is_written(tmp_path):
     assert not [n for n in store.ls() if parse_step(n) is not None]
 
 
+def test_a_main_thread_stuck_inside_a_boundary_does_not_hold_the_watchdog(tmp_path):
+    """The main thread holds the rescue's lock while it notes a boundary (a clone of the buffers, a
+    scaler's .item(): device work). A device wedged there must not block the watchdog's rescue,
+    which has to return within its bound so the process ends and restarts."""
+    app, _, _ = make_app(0)
+    store = Storage(str(tmp_path / "ckpt"))
+    from goodput.parallel import DDP
+
+    r = rescue_mod.Rescue(True, 0.5, store, str(tmp_path / "staging"), 0, 2, DDP(), app,
+                          app.rank_parts["rng"], app.model, lambda: {})  # fmt: skip
+    app.register("data", _Position())
+    r.boundary(3)
+    r._lock.acquire()  # the main thread, stuck inside its next boundary
+    box = {}
+    th = threading.Thread(target=lambda: box.update(r.request("hung", handoff_s=0.0)), daemon=True)
+    th.start()
+    th.join(timeout=10)
+    assert not th.is_alive(), "the watchdog's rescue waited for the stuck main thread"
+    assert box["outcome"] == "timed_out" and box["step"] is None
+    assert not [n for n in store.ls() if parse_step(n) is not None]
+
+
 class _Position:
     def state_dict(self):
         return {"step": 0}
@@ -268,6 +290,26 @@ def _rescue_commit(tmp_path, d, n_shards=1, step=6):
     out = write_shard(store, str(tmp_path / "staging"), step, 0, n_shards, 0, 2,
                       app.state_dict(StateDictOptions()), lambda: mgr.fields(app))  # fmt: skip
     return store, out
+
+
+def test_a_writer_that_fails_before_publishing_gives_its_claim_back(tmp_path, dist1):
+    """Rank 0 claims the rescue and its node-local disk fails (here its staging dir is a file):
+    rank 1, whose failure comes later (its collective fails once rank 0 has exited), can still
+    write and commit the part from its own node."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    app, _, _ = make_app(0)
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    store, sd = mgr.storage, app.state_dict(StateDictOptions())
+    broken = tmp_path / "node0-staging"
+    broken.write_text("not a dir")
+    with pytest.raises(OSError):
+        write_shard(store, str(broken), 6, 0, 1, 0, 2, sd, lambda: mgr.fields(app))
+    out = write_shard(store, str(tmp_path / "node1-staging"), 6, 0, 1, 1, 2, sd, lambda: mgr.fields(app))
+    assert out == {"outcome": "committed"}
+    rec = Commits(store).committed()[0]
+    assert rec["dir"] == "step-000000006.rescue" and rec["rescued_by"] == [1]
+    assert Commits(store).verify(rec, local=False) is None
 
 
 @pytest.mark.parametrize("local_copy", ["intact", "tampered"])

@@ -172,13 +172,17 @@ class Rescue:
         threading.Event().wait()
 
     # -- the failure's side ------------------------------------------------------------------------
-    def write(self, why: str) -> dict:
+    def write(self, why: str, wait_s: float | None = None) -> dict:
         """This rank's part of the boundary state, written once per process (a second caller gets
-        the first one's outcome)."""
-        with self._lock:
+        the first one's outcome). `wait_s`: how long another thread may wait for the lock."""
+        if not self._lock.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+            return self._stuck_inside(why)
+        try:
             if self._result is None:
                 self._result = self._bounded(why)
             return self._result
+        finally:
+            self._lock.release()
 
     def request(self, why: str, handoff_s: float | None = None) -> dict:
         """`write` from a thread that is not the main thread (see the class docstring). `handoff_s`:
@@ -186,15 +190,34 @@ class Rescue:
         most 5 s; 0 when it is known to be stuck, as when the hang watchdog fires)."""
         if threading.current_thread() is threading.main_thread():
             return self.write(why)
-        with self._lock:
+        asked = time.monotonic()
+        # The main thread holds the lock while it notes a boundary (device work: a clone, an .item()):
+        # a device wedged there must not keep the watchdog or the grace timer from ending the process.
+        if not self._lock.acquire(timeout=self.timeout_s):
+            return self._stuck_inside(why)
+        try:
             if self._result is not None or not self.enabled:
                 return self._result or {"outcome": "off"}
             self._requested = why
-            self._asked = time.monotonic()
+            self._asked = asked
+        finally:
+            self._lock.release()
         handoff_s = min(5.0, self.timeout_s / 3) if handoff_s is None else handoff_s
         if handoff_s > 0 and self._handed.wait(handoff_s):
             return self._result
-        return self.write(why)  # the main thread is stuck: while this writes, it cannot pass a boundary
+        # the main thread is stuck: while this writes, it cannot pass a boundary
+        return self.write(why, wait_s=asked + self.timeout_s - time.monotonic())
+
+    def _stuck_inside(self, why: str) -> dict:
+        """The main thread did not leave a boundary within the bound: the state it was noting is
+        not known to be whole. Nothing is written."""
+        log.warning(
+            "rescue: rank %d: the main thread stayed inside a step boundary past "
+            "checkpoint.rescue_timeout_s=%gs: nothing to rescue", self.rank, self.timeout_s,
+        )  # fmt: skip
+        out = {"attempt": self.attempt(), "rank": self.rank, "time": time.time(), "reason": why[:500],
+               "reached": self.reached, "step": None, "shard": self.shard}  # fmt: skip
+        return self._record({**out, "outcome": "timed_out", "seconds": self.timeout_s})
 
     def _bounded(self, why: str) -> dict:
         t0 = time.monotonic()
@@ -330,14 +353,25 @@ def write_shard(store, staging_dir: str, step: int, shard: int, n_shards: int, r
         return {"outcome": "already_committed"}
     time.sleep(defer_s)
     me = json.dumps({"rank": rank, "shard": shard, "pid": os.getpid(), "time": time.time()}).encode()
-    if not store.create_exclusive(f"{rel}/{CLAIMS}/{shard}.json", me):
+    claim = f"{rel}/{CLAIMS}/{shard}.json"
+    if not store.create_exclusive(claim, me):
         return {"outcome": "claimed_by_another"}
     local = os.path.join(staging_dir, rel)
-    files = _save_locally(sd, local, shard)
-    uploaded = dict(zip(files, _together(*(partial(_put, store, local, rel, name) for name in files))))
-    manifest = {"files": uploaded, "rank": rank, "shard": shard, "evaluated": evaluated}
-    _in_time(deadline)  # a manifest makes the shard count for another rank's commit
-    store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
+    try:
+        files = _save_locally(sd, local, shard)
+        uploaded = dict(zip(files, _together(*(partial(_put, store, local, rel, name) for name in files))))
+        manifest = {"files": uploaded, "rank": rank, "shard": shard, "evaluated": evaluated}
+        _in_time(deadline)  # a manifest makes the shard count for another rank's commit
+        store.write_bytes(f"{rel}/{RANKS}/rescue-{shard}.json", json.dumps(manifest).encode())
+    except BaseException:
+        # Nothing of this part is published: give the claim back, so that a holder whose failure
+        # comes later (a peer of a rank that failed by its own error: its collective fails only
+        # once this process exits) can still write it, from its own node's disk.
+        try:
+            store.rm(claim)
+        except Exception as e:
+            log.warning("rescue: could not give back the claim %s: %r", claim, e)
+        raise
     if n_shards > 1:  # one shard: this rank's, written just now
         present = store.ls(f"{rel}/{RANKS}")
         if not all(f"rescue-{s}.json" in present for s in range(n_shards)):
