@@ -233,15 +233,21 @@ def test_a_rescue_that_runs_out_of_time_is_never_loaded(tmp_path, one_process, m
     assert s["resumed_from_steps"] == [4] and s["rescues"]["failures"] == 1
 
 
-def test_inside_the_update_nothing_is_written(tmp_path):
-    app, _, _ = make_app(0)
-    store = Storage(str(tmp_path / "ckpt"))
+def _rescuer(tmp_path, timeout_s: float = 5.0):
+    """Rank 0 of 2 under ddp's Rescue over make_app's state, at the boundary of step 3."""
     from goodput.parallel import DDP
 
-    r = rescue_mod.Rescue(True, 5.0, store, str(tmp_path / "staging"), 0, 2, DDP(), app,
+    app, _, _ = make_app(0)
+    store = Storage(str(tmp_path / "ckpt"))
+    r = rescue_mod.Rescue(True, timeout_s, store, str(tmp_path / "staging"), 0, 2, DDP(), app,
                           app.rank_parts["rng"], app.model, lambda: {})  # fmt: skip
     app.register("data", _Position())
     r.boundary(3)
+    return r, store
+
+
+def test_inside_the_update_nothing_is_written(tmp_path):
+    r, store = _rescuer(tmp_path)
     r.boundary(4)
     r.updating()
     out = r.write("a peer died")
@@ -253,14 +259,7 @@ def test_a_main_thread_stuck_inside_a_boundary_does_not_hold_the_watchdog(tmp_pa
     """The main thread holds the rescue's lock while it notes a boundary (a clone of the buffers, a
     scaler's .item(): device work). A device wedged there must not block the watchdog's rescue,
     which has to return within its bound so the process ends and restarts."""
-    app, _, _ = make_app(0)
-    store = Storage(str(tmp_path / "ckpt"))
-    from goodput.parallel import DDP
-
-    r = rescue_mod.Rescue(True, 0.5, store, str(tmp_path / "staging"), 0, 2, DDP(), app,
-                          app.rank_parts["rng"], app.model, lambda: {})  # fmt: skip
-    app.register("data", _Position())
-    r.boundary(3)
+    r, store = _rescuer(tmp_path, timeout_s=0.5)
     r._lock.acquire()  # the main thread, stuck inside its next boundary
     box = {}
     th = threading.Thread(target=lambda: box.update(r.request("hung", handoff_s=0.0)), daemon=True)
