@@ -88,10 +88,7 @@ def train(t) -> dict:
     # stopped at) evaluates again for the summary, counted once, and makes the final regular commit.
     final = t.resumed_rescue and (step >= max_steps or t.early_stopping.stopped_at == step)
     early = final and t.early_stopping.stopped_at == step
-    if t.evaluate_first or final:
-        done = after(step, evaluating=True, counted=not t.evaluate_first)
-    else:
-        done = False
+    done = (t.evaluate_first or final) and after(step, evaluating=True, counted=not t.evaluate_first)
     while step < max_steps and not done:
         t.rng.at_step(step)  # every random stream a function of (seed, rank, step): see RNGState
         t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary
