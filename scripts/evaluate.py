@@ -21,6 +21,7 @@ is not committed, a directory without checkpoints: one line, exit 2.
 """
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -149,4 +150,7 @@ def log_run(a, m, metrics: dict, files: list[str], sha: str, root: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:
+        gc.freeze()  # a fast exit: see scripts/train.py
