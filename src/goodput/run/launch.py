@@ -46,6 +46,7 @@ def preload_forkserver() -> None:
             "torchvision.transforms.v2",  # the data pipeline's transforms (imported when first built)
             "goodput.run.worker",
             "mlflow.store.tracking.sqlalchemy_store",
+            "goodput.resilience.forkserver_frozen",  # last: freezes what the imports above made
         ]
     )
 
