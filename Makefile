@@ -7,9 +7,12 @@ TORCH   := torch==2.14.1 torchvision==0.29.1
 ARGS    ?=
 # pytest-xdist workers: the drills are mostly process start-up, and two at once took a third off
 # the suite's wall time on 2 cores (docs/testing.md); tests marked `serial` still run alone.
-# loadfile keeps a module on one worker (its module fixtures are made once). JOBS=0: one process.
+# loadfile keeps a module on one worker (its module fixtures are made once). Modules go out in
+# collection order (tests/e2e, the long ones, first; then tests/unit): xdist's default reorder
+# sends the modules with the most tests first, which left the few-test, minute-long drills for
+# last, one worker idle beside them. JOBS=0: one process.
 JOBS    ?= 2
-XDIST   := -n $(JOBS) --dist loadfile
+XDIST   := -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
 .PHONY: help venv train test test-fast test-unit lint format mlflow-ui bench clean

@@ -16,7 +16,6 @@ from goodput.run import compiler
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # the warm first step against the cold one
 def test_a_compiled_run_killed_and_relaunched_reads_its_cache(tmp_path):
     """Kill at step 6 (commit at 4), relaunch: the uninterrupted compiled model, and the second
     start compiled from its cache (inductor hits, no misses, artifacts loaded) in a fraction of the
