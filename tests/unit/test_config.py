@@ -163,6 +163,29 @@ def test_every_option_file_says_in_its_first_line_what_it_is():
     assert not missing, f"start these with a `# what this option is` line: {missing}"
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_steps=-1", "trainer.max_steps must be > 0"),
+        ("trainer.global_batch_size=0", "trainer.global_batch_size must be > 0"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+        ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps must be > 0"),
+        ("data.root=nosuchproto://x/y", "unknown storage protocol 'nosuchproto://'"),
+        ("parallel=fsdp parallel.nproc_per_node=1", "shards parameters: it needs more than one process"),
+        ("parallel=ddp trainer.global_batch_size=15", "not divisible by the world size 2"),
+        ("parallel=ddp parallel.nproc_per_node=64", "more processes than this machine can run"),
+    ],
+)  # fmt: skip
+def test_a_bad_command_line_fails_at_validate_naming_the_key(override, message):
+    """The command-line overrides as the entry point gets them, composed and validated: the check
+    that runs before any work (e2e/test_train.py runs three such refusals through the entry point)."""
+    c = OmegaConf.to_container(
+        compose_train(["paths.root=/x", "experiment=smoke", *override.split()]), resolve=True
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(c)
+
+
 def test_checks_live_in_the_schema():
     V2 = "torchvision.transforms.v2."
     c = OmegaConf.to_container(compose_train(["paths.root=/x"]), resolve=True)
