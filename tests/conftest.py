@@ -8,23 +8,31 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import process_state_kept, run_train, turn
+from helpers import Turns, process_state_kept, run_train
 
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
 
-
 # -- `serial` tests run alone under pytest-xdist ------------------------------------------------
 # `make test` runs the suite on 2 xdist workers (most drills wait on process start-up). A test
 # marked `serial` times something against the wall clock: it runs alone (helpers.turn).
+_TURNS: list[Turns] = []  # this worker's (made on its first test)
+
+
+def _serial(item) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown of each test inside its turn (only under xdist: a plain run is serial)."""
+    """Setup, call and teardown of each test inside its turn (only under xdist: a plain run is
+    serial). `nextitem` is the test this worker runs next: a serial one keeps the room."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         return (yield)
-    lock_dir = Path(tempfile.gettempdir()) / f"goodput-tests-{run}"
-    with turn(lock_dir, serial=item.get_closest_marker("serial") is not None):
+    if not _TURNS:
+        _TURNS.append(Turns(Path(tempfile.gettempdir()) / f"goodput-tests-{run}"))
+    with _TURNS[0].around(_serial(item), _serial(nextitem)):
         return (yield)
 
 

@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from goodput.data.dataset import ImageFolder
@@ -104,6 +104,27 @@ def turn(lock_dir: Path, serial: bool):
             yield
         finally:
             fcntl.flock(room, fcntl.LOCK_UN)
+
+
+class Turns:
+    """One xdist worker's turns (see turn), where a serial test followed by another serial test
+    keeps the room for it. Released in between, the room went to the other worker's next test (a
+    drill of a minute, say) and the next serial test, and this worker, waited for it to end."""
+
+    def __init__(self, lock_dir: Path):
+        self.lock_dir, self.kept = lock_dir, None
+
+    @contextmanager
+    def around(self, serial: bool, next_serial: bool):
+        if self.kept is None:
+            self.kept = ExitStack()
+            self.kept.enter_context(turn(self.lock_dir, serial))
+        try:
+            yield
+        finally:
+            if not (serial and next_serial):
+                kept, self.kept = self.kept, None
+                kept.close()
 
 
 def latest_summary(root) -> dict | None:

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import turn
+from helpers import Turns, turn
 
 
 class Test:
@@ -89,3 +89,31 @@ def test_a_waiting_serial_test_is_not_overtaken(tmp_path):
     assert late.inside.wait(10)
     late.done()
     assert entered == ["first", "serial", "late"]
+
+
+def test_a_workers_next_serial_test_keeps_the_room(tmp_path):
+    """Worker A runs two serial tests in a row; worker B's parallel test, arriving during the first,
+    enters only after the second: released in between, the room would have gone to B's test and
+    A's second serial test would have waited for it."""
+    entered, go = [], [threading.Event(), threading.Event()]
+    turns = Turns(tmp_path)
+
+    def worker_a():
+        for i, nxt in enumerate([True, False]):
+            with turns.around(serial=True, next_serial=nxt):
+                entered.append(f"serial{i}")
+                go[i].wait(30)
+
+    a = threading.Thread(target=worker_a, daemon=True)
+    a.start()
+    wait_until(lambda: entered == ["serial0"])
+    b = Test(tmp_path, "b", False, entered)
+    assert not b.inside.wait(0.3)
+    go[0].set()
+    wait_until(lambda: entered == ["serial0", "serial1"])
+    assert not b.inside.wait(0.3)  # still A's turn
+    go[1].set()
+    assert b.inside.wait(10)
+    b.done()
+    a.join(10)
+    assert entered == ["serial0", "serial1", "b"]
