@@ -21,6 +21,7 @@ is not committed, a directory without checkpoints: one line, exit 2.
 """
 
 import argparse
+import atexit
 import gc
 import json
 import logging
@@ -150,7 +151,5 @@ def log_run(a, m, metrics: dict, files: list[str], sha: str, root: str) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        gc.freeze()  # a fast exit: see scripts/train.py
+    atexit.register(gc.freeze)  # a fast exit: see scripts/train.py
+    sys.exit(main())

@@ -24,6 +24,7 @@ trainer.eval_on=ema evaluated and logged to MLflow).
 """
 
 import argparse
+import atexit
 import gc
 import json
 import sys
@@ -181,7 +182,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        gc.freeze()  # a fast exit: see scripts/train.py
+    atexit.register(gc.freeze)  # a fast exit: see scripts/train.py
+    main()

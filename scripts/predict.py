@@ -15,6 +15,7 @@ path that is not there but names one run dir `<it>-<8 hex digits>` beside it is 
 """
 
 import argparse
+import atexit
 import csv
 import gc
 import logging
@@ -65,7 +66,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        gc.freeze()  # a fast exit: see scripts/train.py
+    atexit.register(gc.freeze)  # a fast exit: see scripts/train.py
+    sys.exit(main())

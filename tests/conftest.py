@@ -3,6 +3,7 @@ gloo group). Plain helper functions live in helpers.py (`from helpers import run
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -34,6 +35,16 @@ def pytest_runtest_protocol(item, nextitem):
         _TURNS.append(Turns(Path(tempfile.gettempdir()) / f"goodput-tests-{run}"))
     with _TURNS[0].around(_serial(item), _serial(nextitem)):
         return (yield)
+
+
+@pytest.fixture(autouse=True)
+def _collector_left_as_found():
+    """A test that leaves the collector frozen (the entry points freeze it for a fast exit) fails
+    itself, instead of the worker's later tests that count on collection (test_data.py)."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        pytest.fail("the test left the collector frozen (gc.freeze): nothing it held is collected")
 
 
 @pytest.fixture(scope="session")

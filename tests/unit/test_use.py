@@ -453,3 +453,26 @@ def test_the_scripts_refuse_several_run_dirs_in_one_line_exit_2(tmp_path, monkey
         line = err.getvalue()
         assert line.count("\n") == 1 and line.startswith(f"{script}: {source}: no such directory"), line
         assert f"{tmp_path}/demo-aaaaaaaa" in line and f"{tmp_path}/demo-bbbbbbbb" in line
+
+
+def test_a_script_run_in_process_leaves_the_collector_as_it_found_it(monkeypatch):
+    """The entry points freeze the collector for a fast exit; run in-process (runpy, a notebook, a
+    test), main() returns to a caller whose later garbage must still be collected."""
+    import gc
+    import runpy
+
+    from helpers import REPO
+
+    assert gc.get_freeze_count() == 0
+    try:
+        for script in ["train.py", "evaluate.py", "predict.py", "inspect_checkpoint.py"]:
+            monkeypatch.setattr("sys.argv", [script, "--help"])
+            with redirect_stdout(io.StringIO()) as out:
+                try:
+                    runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+                except SystemExit as stop:
+                    assert stop.code in (0, None), script
+            assert script in out.getvalue(), script  # its help, so its __main__ block ran
+            assert gc.get_freeze_count() == 0, f"{script} left the collector frozen"
+    finally:
+        gc.unfreeze()  # never hand a frozen collector to the worker's next test
