@@ -493,19 +493,29 @@ def test_the_fork_freeze_is_undone_after_the_fork_unless_the_user_had_frozen(tmp
     assert marks.exists()
 
 
-class _SlowStorage(Storage):
-    """Counts remote reads across processes; each takes 0.5 s, and says when one has started."""
+class _HeldStorage(Storage):
+    """Counts remote reads across processes; says when one has started, and holds each until the
+    test releases it."""
 
-    def __init__(self, root, reads, started):
+    def __init__(self, root, reads, started, release):
         super().__init__(root)
-        self.reads, self.started = reads, started
+        self.reads, self.started, self.release = reads, started, release
 
     def read_bytes(self, rel):
         with self.reads.get_lock():
             self.reads.value += 1
         self.started.set()
-        time.sleep(0.5)
+        assert self.release.wait(30)
         return super().read_bytes(rel)
+
+
+class _SaysWhenItWaits(CachedSource):
+    """Says when a process other than the test's has missed the cache and goes for the fill lock."""
+
+    def _filling(self, rel):
+        if os.getpid() != self.test_pid:
+            self.waiting.set()
+        return super()._filling(rel)
 
 
 def _read_in_worker(src, rel, q):
@@ -515,18 +525,24 @@ def _read_in_worker(src, rel, q):
 
 def test_worker_waits_for_the_prefetch_fill_instead_of_a_second_get(data_root, tmp_path):
     """A DataLoader worker that reaches a file the prefetch threads are fetching waits for that
-    fill: one remote read in all, and the worker gets the whole file."""
+    fill: one remote read in all, and the worker gets the whole file. The prefetch's read is held
+    until the worker has missed the cache, so the order does not depend on the machine's speed."""
     ctx = mp.get_context("fork")
-    reads, started = ctx.Value("i", 0), ctx.Event()
-    store = _SlowStorage(data_root, reads, started)
+    reads, started, release = ctx.Value("i", 0), ctx.Event(), ctx.Event()
+    store = _HeldStorage(data_root, reads, started, release)
     rel = "train/" + sorted(Storage(data_root).find("train"))[0]
-    src = CachedSource(store, str(tmp_path))
+    src = _SaysWhenItWaits(store, str(tmp_path))
+    src.test_pid, src.waiting = os.getpid(), ctx.Event()
     src.prefetch([rel], set())
     assert started.wait(10)  # the prefetch thread is inside its fill now
     q = ctx.Queue()
     p = ctx.Process(target=_read_in_worker, args=(src, rel, q))
     with frozen_for_fork():  # forked as DataLoader workers are
         p.start()
+    try:
+        assert src.waiting.wait(30)  # the worker missed the cache while the fill was in flight
+    finally:
+        release.set()
     data, hit, fetched = q.get(timeout=30)
     p.join(10)
     src.close()
