@@ -12,7 +12,7 @@ import pytest
 from helpers import Turns, turn
 
 
-class Test:
+class OnThread:
     """A test on its own thread: enters its turn, records when, holds it until released."""
 
     def __init__(self, lock_dir, name: str, serial: bool, entered: list):
@@ -52,9 +52,9 @@ def wait_until(cond, timeout=10.0):
 
 def test_parallel_tests_run_side_by_side(tmp_path):
     entered = []
-    a = Test(tmp_path, "a", False, entered)
+    a = OnThread(tmp_path, "a", False, entered)
     assert a.inside.wait(10)
-    b = Test(tmp_path, "b", False, entered)
+    b = OnThread(tmp_path, "b", False, entered)
     assert b.inside.wait(10)  # while a is still inside
     a.done()
     b.done()
@@ -64,9 +64,9 @@ def test_parallel_tests_run_side_by_side(tmp_path):
 def test_a_serial_test_runs_alone(tmp_path, first, then):
     """Whichever comes first, the second waits until it is done."""
     entered = []
-    a = Test(tmp_path, "a", first, entered)
+    a = OnThread(tmp_path, "a", first, entered)
     assert a.inside.wait(10)
-    b = Test(tmp_path, "b", then, entered)
+    b = OnThread(tmp_path, "b", then, entered)
     assert not b.inside.wait(0.5)
     a.done()
     assert b.inside.wait(10)
@@ -76,11 +76,11 @@ def test_a_serial_test_runs_alone(tmp_path, first, then):
 def test_a_waiting_serial_test_is_not_overtaken(tmp_path):
     """Without the gate, the parallel tests of a busy worker would keep the room shared forever."""
     entered = []
-    first = Test(tmp_path, "first", False, entered)
+    first = OnThread(tmp_path, "first", False, entered)
     assert first.inside.wait(10)
-    s = Test(tmp_path, "serial", True, entered)
+    s = OnThread(tmp_path, "serial", True, entered)
     wait_until(lambda: held(tmp_path / "gate"))  # the serial test is waiting for the room
-    late = Test(tmp_path, "late", False, entered)
+    late = OnThread(tmp_path, "late", False, entered)
     assert not late.inside.wait(0.5)  # arrived after the serial test: waits behind it
     first.done()
     assert s.inside.wait(10)
@@ -107,7 +107,7 @@ def test_a_workers_next_serial_test_keeps_the_room(tmp_path):
     a = threading.Thread(target=worker_a, daemon=True)
     a.start()
     wait_until(lambda: entered == ["serial0"])
-    b = Test(tmp_path, "b", False, entered)
+    b = OnThread(tmp_path, "b", False, entered)
     assert not b.inside.wait(0.3)
     go[0].set()
     wait_until(lambda: entered == ["serial0", "serial1"])
