@@ -233,13 +233,16 @@ def compose_train(overrides, hydra=False):
 
 @contextmanager
 def process_state_kept():
-    """What a worker sets for the whole process (threads, determinism, logging), put back after a
-    job run in this process."""
+    """What a worker sets for the whole process (threads, determinism, logging, the preemption
+    handlers), put back after a job run in this process. A run that raised keeps its StopSignal
+    handlers on purpose (a SIGTERM must not kill its rescue write); the next test gets the old ones."""
     import logging
+    import signal
 
     import torch
 
     from goodput import logs
+    from goodput.resilience.preemption import PREEMPT_SIGNALS
 
     root = logging.getLogger()
     saved = (
@@ -248,6 +251,7 @@ def process_state_kept():
         root.level,
         root.handlers[:],
         logs._who,  # the worker's rank in every line (`rank0`); later tests log as the job again
+        {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS},
     )
     try:
         yield
@@ -257,6 +261,8 @@ def process_state_kept():
         root.setLevel(saved[2])
         root.handlers[:] = saved[3]
         logs._who = saved[4]
+        for sig, handler in saved[5].items():
+            signal.signal(sig, handler)
 
 
 def run_job_here(root, *overrides, run_dir=None):

@@ -461,13 +461,13 @@ def test_a_script_run_in_process_leaves_the_collector_as_it_found_it(monkeypatch
     import gc
     import runpy
 
-    from helpers import REPO
+    from helpers import REPO, process_state_kept
 
     assert gc.get_freeze_count() == 0
     try:
         for script in ["train.py", "evaluate.py", "predict.py", "inspect_checkpoint.py"]:
             monkeypatch.setattr("sys.argv", [script, "--help"])
-            with redirect_stdout(io.StringIO()) as out:
+            with process_state_kept(), redirect_stdout(io.StringIO()) as out:  # train.py sets up logging
                 try:
                     runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
                 except SystemExit as stop:
