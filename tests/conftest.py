@@ -3,13 +3,12 @@ gloo group). Plain helper functions live in helpers.py (`from helpers import run
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import Turns, process_state_kept, run_train
+from helpers import Turns, collector_left_as_found, process_state_kept, run_train
 
 from goodput.data.synthetic import make_dataset
 from goodput.parallel import LAUNCHER_ENV, init_distributed, shutdown_distributed
@@ -39,12 +38,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture(autouse=True)
 def _collector_left_as_found():
-    """A test that leaves the collector frozen (the entry points freeze it for a fast exit) fails
-    itself, instead of the worker's later tests that count on collection (test_data.py)."""
-    yield
-    if gc.get_freeze_count():
-        gc.unfreeze()
-        pytest.fail("the test left the collector frozen (gc.freeze): nothing it held is collected")
+    with collector_left_as_found():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ imports another: what two modules share lives here or there."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -229,6 +230,19 @@ def compose_train(overrides, hydra=False):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("train", overrides=overrides, return_hydra_config=hydra)
+
+
+@contextmanager
+def collector_left_as_found():
+    """Fails the test that leaves the collector frozen (the entry points freeze it for a fast
+    exit), and unfreezes it: the worker's later tests that count on collection (test_data.py)
+    would fail instead, far from the cause, and only when xdist puts them after it."""
+    import pytest
+
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        pytest.fail("the test left the collector frozen (gc.freeze): nothing it held is collected")
 
 
 @contextmanager
