@@ -11,19 +11,17 @@ MLflow model is a pickled module: loading it runs code from the artifact store (
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
-from torchvision.io import ImageReadMode, decode_image
 
 from goodput.checkpoint.export import SourceError, read_weights
 from goodput.checkpoint.spec import ModelSpec, SpecError, check_node
 from goodput.data.dataset import IMAGE_EXTENSIONS, ImageFolder
+from goodput.data.dataset import decode as decode_bytes
 from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.storage.remote import check_url
@@ -125,22 +123,14 @@ def image_files(paths: list[str]) -> list[str]:
 
 
 def decode(path: str) -> torch.Tensor:
-    """An image file as a uint8 RGB tensor (3 x H x W): torchvision's decoder where it reads the
-    format (as training does), else Pillow (BMP, TIFF, GIF, ... anything Pillow opens)."""
+    """An image file as a uint8 RGB tensor (3 x H x W), decoded as training decodes it
+    (goodput.data.dataset.decode: the first frame of an animation, alpha dropped)."""
     with open(path, "rb") as f:
         data = f.read()
     try:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except Exception:
-        pass
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            arr = np.array(im.convert("RGB"))
-    except Exception as e:
+        return decode_bytes(data)
+    except Exception as e:  # Pillow's UnidentifiedImageError, a truncated file, a decompression bomb
         raise InputError(f"{path}: cannot decode as an image ({type(e).__name__}: {e})") from None
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from goodput.checkpoint import AppState
 from goodput.checkpoint.export import SourceError, read_weights, save_safetensors
 from goodput.checkpoint.resume import InitFromError, init_from
 from goodput.checkpoint.spec import ModelSpec, SpecError
+from goodput.data.dataset import decode as training_decode
 from goodput.data.synthetic import make_dataset
 from goodput.inference import InputError, Loaded, decode, evaluation_loader, image_files
 from goodput.model import SmallCNN
@@ -52,6 +53,33 @@ def test_a_good_record_builds_its_model_and_the_eval_view():
         record(node={"_target_": "torchvision.models.resnet18", "weights": "IMAGENET1K_V1"}), "x"
     )
     assert rn.build().fc.out_features == 4  # (with weights="IMAGENET1K_V1" it would download them)
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        # a detection or segmentation builder defaults weights_backbone to ImageNet's
+        {"_target_": "torchvision.models.segmentation.fcn_resnet50"},
+        {"_target_": "torchvision.models.segmentation.fcn_resnet50", "weights_backbone": "DEFAULT"},
+        {"_target_": "torchvision.models.detection.ssdlite320_mobilenet_v3_large"},
+    ],
+)
+def test_a_record_never_makes_torchvision_download(node, tmp_path, monkeypatch):
+    import torch.hub
+
+    def refuse(url, *a, **k):
+        raise AssertionError(f"downloaded {url}")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", refuse)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # nothing cached: a load would be a download
+    assert isinstance(ModelSpec.parse(record(node=node), "x").build(), torch.nn.Module)
+
+
+@pytest.mark.parametrize("key", ["pretrained", "pretrained_backbone"])
+def test_a_record_asking_for_pretrained_weights_is_refused(key):
+    spec = ModelSpec.parse(record(node={"_target_": "torchvision.models.resnet18", key: True}), "x")
+    with pytest.raises(SpecError, match=f"{key} refused"):
+        spec.build()
 
 
 @pytest.mark.parametrize(
@@ -321,6 +349,12 @@ def test_images_in_any_format_pillow_opens_and_bad_ones_named(tmp_path, with_tes
         assert torch.equal(decode(str(tmp_path / f"x.{ext}")), ref), ext
     for ext in ("webp", "gif"):
         assert decode(str(tmp_path / f"x.{ext}")).shape == ref.shape, ext
+    # an animation is its first frame, as training reads it (torchvision's decoder gave all frames)
+    frames = [Image.new("RGB", (12, 10), c) for c in ((200, 0, 0), (0, 200, 0), (0, 0, 200))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    got = decode(str(tmp_path / "anim.gif"))
+    assert torch.equal(got, training_decode((tmp_path / "anim.gif").read_bytes()))
+    assert got.shape == (3, 10, 12) and got[0].float().mean() > 150 and got[1:].float().mean() < 50
     (tmp_path / "bad.jpg").write_bytes(b"not an image")
     with pytest.raises(InputError, match=r"bad.jpg: cannot decode as an image"):
         decode(str(tmp_path / "bad.jpg"))

@@ -7,11 +7,13 @@ so evaluate.py and predict.py need nothing but the checkpoint, the export or the
 Read back, a spec is untrusted input (whoever writes the store writes it): `ModelSpec.parse` checks
 every field, and `build` calls the `_target_` only when it names an `nn.Module` class or a builder
 of `torchvision.models` (or one the caller allows), with plain values for arguments:
-no nested `_target_`, no Hydra instructions, and never `weights` downloaded from anywhere.
+no nested `_target_`, no Hydra instructions, and never weights downloaded from anywhere (every
+`weights*` argument is None, `pretrained*` is refused).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 
@@ -121,8 +123,14 @@ class ModelSpec:
                 f"(--allow-target {target} if you trust it)"
             )
         node = dict(self.node)
-        if "weights" in node:
-            node["weights"] = None  # the checkpoint holds the weights: download nothing
+        legacy = sorted(k for k in node if k.startswith("pretrained"))
+        if legacy:  # torchvision still maps pretrained=True to its default weights
+            raise SpecError(f"model node: {', '.join(legacy)} refused (the checkpoint holds the weights)")
+        # The checkpoint holds the weights: download nothing. Every `weights*` argument is None, named
+        # or not: detection and segmentation builders default `weights_backbone` to ImageNet's.
+        for k in [*node, *_parameters(fn)]:
+            if k.startswith("weights"):
+                node[k] = None
         model = instantiate(node, num_classes=self.num_classes)
         if not isinstance(model, nn.Module):
             raise SpecError(f"model _target_ {target!r} returned a {type(model).__name__}, not an nn.Module")
@@ -134,6 +142,13 @@ class ModelSpec:
 
     def preprocess(self, img: torch.Tensor) -> torch.Tensor:
         return self.transform()(img)
+
+
+def _parameters(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin or a class without a Python signature
+        return []
 
 
 def _number(v) -> bool:
