@@ -27,6 +27,7 @@ import argparse
 import atexit
 import gc
 import json
+import os
 import sys
 
 from goodput.checkpoint.export import ExportError, SourceError, model_state, run_dir, save_safetensors
@@ -132,8 +133,8 @@ def main() -> None:
         sys.exit(2)
     one = parse_step(a.dir.rstrip("/").rsplit("/", 1)[-1])
     if one is not None:  # a single step dir
-        parent, name = a.dir.rstrip("/").rsplit("/", 1)
-        store, names = Storage(parent), [name]
+        parent, name = os.path.split(a.dir.rstrip("/"))
+        store, names = Storage(parent or "."), [name]
     else:
         store = Storage(a.dir)
         names = sorted(

@@ -391,7 +391,7 @@ def test_the_demo_run_continued_to_600_steps_names_its_lr_jump():
     )
 
 
-def test_a_malformed_identity_record_makes_the_commit_unloadable_and_values_print_escaped():
+def test_a_malformed_identity_or_other_read_field_makes_the_commit_unloadable_and_values_print_escaped():
     from goodput.checkpoint.layout import CommitError, parse_commit
     from goodput.storage.checksum import CHECKSUM
 
@@ -403,6 +403,14 @@ def test_a_malformed_identity_record_makes_the_commit_unloadable_and_values_prin
     for bad in ("x", {"digest": 1, "keys": {}}, {"digest": "ab", "keys": ["seed"]}):
         with pytest.raises(CommitError, match="bad identity record"):
             parse_commit(json.dumps({**rec, "identity": bad}).encode(), "step-000000004")
+    # the fields read by inspect_checkpoint.py, evaluate.py, predict.py and the relaunch
+    bad_fields = [("eval_on", ["x"]), ("eval_on", "weights"), ("bytes", "big"), ("bytes", -1),
+                  ("bytes", True), ("backend", {"a": 1}), ("run", 7), ("mlflow_run_id", ["r"])]  # fmt: skip
+    for key, bad in bad_fields:
+        with pytest.raises(CommitError, match=f"bad {key} "):
+            parse_commit(json.dumps({**rec, key: bad}).encode(), "step-000000004")
+    good = {"eval_on": "ema", "bytes": 1, "backend": "dcp_sync", "run": "demo", "mlflow_run_id": "ab12"}
+    assert parse_commit(json.dumps({**rec, **good}).encode(), "step-000000004")["eval_on"] == "ema"
     said = identity.describe([("model.name", "\x1b[2J\nrm -rf", "resnet")])
     assert "\x1b" not in said and "\n" not in said and '"\\u001b[2J\\nrm -rf"' in said
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 import pickletools
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -419,6 +421,59 @@ def test_verified_bytes_are_the_ones_loaded(tmp_path, dist1):  # noqa: F811
     assert shard.name in skipped[0] and "expected" in skipped[0] and CHECKSUM in skipped[0]
 
 
+def _no_checkpoint(step: Path, tamper: str) -> None:
+    """Bytes that are not a checkpoint, re-signed: what evaluate.py, predict.py and --export read."""
+    if tamper in ("list", "group", "value"):
+        full = torch.load(step / "state.pt", weights_only=True)
+        if tamper == "value":
+            full["model"][next(iter(full["model"]))] = 3
+        torch.save([1, 2] if tamper == "list" else {**full, "model": "x"} if tamper == "group" else full,
+                   step / "state.pt")  # fmt: skip
+    elif tamper == "unlisted":  # a shard left out of the record (and so never downloaded)
+        rec = json.loads((step / COMMIT).read_text())
+        del rec["files"][next(n for n in rec["files"] if n.endswith(".distcp"))]
+        (step / COMMIT).write_text(json.dumps(rec))
+    else:  # "huge": the metadata declares a tensor far larger than the files
+        md = pickle.loads((step / ".metadata").read_bytes())
+        md.state_dict_metadata["model.head.weight"].size = torch.Size([1 << 20, 1 << 20])
+        (step / ".metadata").write_bytes(pickle.dumps(md))
+    resign(step)
+
+
+@pytest.mark.parametrize(
+    "backend, tamper, message",
+    [
+        ("torch_save", "list", "state.pt holds a list, not a checkpoint's dict"),
+        ("torch_save", "group", "state.pt's 'model' is a str, not a state dict"),
+        ("torch_save", "value", "is a int, not a tensor"),
+        ("dcp_sync", "unlisted", "cannot read its model weights"),
+        ("dcp_sync", "huge", r"its metadata declares 4398046\d{6} bytes of tensors in \d+ bytes of files"),
+    ],
+)
+def test_verified_bytes_that_are_no_checkpoint_are_skipped_naming_the_dir(
+    tmp_path,
+    dist1,
+    caplog,
+    backend,
+    tamper,
+    message,  # noqa: F811
+):
+    import tempfile
+
+    from goodput.checkpoint.export import CorruptCheckpoint, read_weights
+
+    mgr, step2 = two_commits(tmp_path, backend, dist1)
+    _no_checkpoint(step2, tamper)
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoint.export"):
+        assert read_weights(str(step2.parent)).step == 1  # the newest commit that reads
+    assert f"skipping {step2}" in caplog.text and re.search(message, caplog.text)
+    with pytest.raises(CorruptCheckpoint, match=message) as e:
+        read_weights(str(step2))  # named: refused, with the step dir, not a temporary copy
+    said = str(e.value)
+    assert said.startswith(f"{step2}: ") and os.path.join(tempfile.gettempdir(), "tmp") not in said
+    mgr.close()
+
+
 # -- local-first restore ---------------------------------------------------------------------------
 def test_restore_reads_the_verified_local_copy_and_not_a_bad_one(tmp_path, dist1, caplog):  # noqa: F811
     mgr, _ = two_commits(tmp_path, "dcp_sync", dist1)
@@ -499,3 +554,8 @@ def test_inspect_verify_names_each_bad_file(tmp_path, dist1):  # noqa: F811
     assert one.returncode == 1 and shard.name in one.stdout
     assert verify(run / "step-000000001").returncode == 0
     assert verify(run / "step-000000007").returncode == 1
+    script = str(REPO / "scripts" / "inspect_checkpoint.py")  # a bare step dir name, from the run dir
+    bare = subprocess.run(
+        [sys.executable, script, "--verify", "step-000000001"], cwd=run, capture_output=True, text=True
+    )
+    assert bare.returncode == 0 and "step-000000001: ok" in bare.stdout, bare.stdout + bare.stderr

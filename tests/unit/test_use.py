@@ -385,6 +385,39 @@ def test_a_corrupt_newest_commit_is_skipped_and_a_named_one_refused(tmp_path, di
     mgr.close()
 
 
+def test_a_rescue_step_dir_is_read_when_named_and_for_its_step(tmp_path, dist1, monkeypatch):
+    """A rescue (step-N.rescue) is a commit like any other: naming it reads it (not the regular
+    save of its step), `--step N` reads it when no regular save of N is committed, and a bare step
+    dir name is read from the current directory."""
+    import shutil
+
+    from helpers import two_steps
+
+    mgr, app, remote = two_steps(tmp_path, dist1)  # steps 1 and 2, other weights
+    for step, regular in ((1, 0), (2, 1)):  # a rescue beside step 1's save, one instead of step 2's
+        rescue = remote / f"step-{step:09d}.rescue"
+        shutil.copytree(remote / f"step-{step:09d}", rescue)
+        rec = json.loads((rescue / "COMMIT.json").read_text())
+        rec.update(kind="rescue", rescued_by=[0], regular_step=regular)
+        (rescue / "COMMIT.json").write_text(json.dumps(rec))
+    shutil.rmtree(remote / "step-000000002")
+    head = app.model.head.weight.detach().clone()  # step 2's
+    for source, step, want in [
+        (remote / "step-000000002.rescue", None, "step-000000002.rescue"),
+        (remote, 2, "step-000000002.rescue"),
+        (remote / "step-000000001.rescue", None, "step-000000001.rescue"),
+        (remote, 1, "step-000000001"),  # the regular save of a step before its rescue
+        ("step-000000001", None, "step-000000001"),
+    ]:
+        monkeypatch.chdir(remote)
+        got = read_weights(str(source), step=step)
+        assert got.origin == str(remote / want) and got.step == int(want[5:14]), (source, step)
+        assert torch.equal(got.state["head.weight"], head) == (got.step == 2)
+    with pytest.raises(SourceError, match=r"03: not a committed checkpoint \(committed steps: \[2, 1\]\)"):
+        read_weights(str(remote), step=3)
+    mgr.close()
+
+
 def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
     import runpy
 

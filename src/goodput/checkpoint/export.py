@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
@@ -67,30 +68,52 @@ def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, 
                 raise CorruptCheckpoint(f"{url}: {e}: it does not match its commit record") from None
             if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
                 raise CorruptCheckpoint(f"{url} does not match its commit record")
-        if rec["format"] == "torch_save":
-            full = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)
-            top, _, sub = WEIGHTS[weights].partition(".")
-            sd = full.get(top, {})
-            sd = {f"{top}.{k}": v for k, v in sd.items()} if isinstance(sd, dict) else {}
-            sd = {k: v for k, v in sd.items() if k.startswith(prefix)}
-        else:
-            reader = SafeFileSystemReader(tmp)
-            md = reader.read_metadata()
-            sd = {
-                k: torch.empty(m.size, dtype=m.properties.dtype)
-                for k, m in md.state_dict_metadata.items()
-                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
-            }
-            if sd:
-                # One process reads the whole model on purpose (no_dist); DCP warns that it assumes so.
-                with known_warning("torch.distributed is disabled", "torch.distributed.checkpoint"):
-                    dcp.load(sd, storage_reader=reader, no_dist=True)
+        try:
+            sd = _read_group(tmp, rec, prefix)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            # the bytes match the record, but are not a checkpoint: crafted, or written by a bug
+            why = str(e).replace(tmp, store.url(rel))[:600]
+            raise CorruptCheckpoint(f"{store.url(rel)}: cannot read its {weights} weights: {why}") from None
         if not sd:
             raise ExportError(
                 f"{store.url(rel)} holds no {weights} weights ({prefix}*)"
                 + (": it was written without trainer.ema_decay" if weights == "ema" else "")
             )
         return {k[len(prefix) :]: v for k, v in sd.items()}
+
+
+def _read_group(tmp: str, rec: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` of the verified files of commit `rec`, downloaded to `tmp`."""
+    if rec["format"] == "torch_save":
+        full = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True)
+        if not isinstance(full, dict):
+            raise ExportError(f"state.pt holds a {type(full).__name__}, not a checkpoint's dict")
+        top = prefix.split(".", 1)[0]
+        group = full.get(top, {})
+        if not isinstance(group, dict):
+            raise ExportError(f"state.pt's {top!r} is a {type(group).__name__}, not a state dict")
+        sd = {f"{top}.{k}": v for k, v in group.items()}
+        sd = {k: v for k, v in sd.items() if k.startswith(prefix)}
+        wrong = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+        if wrong:
+            raise ExportError(f"state.pt's {wrong[0]} is a {type(sd[wrong[0]]).__name__}, not a tensor")
+        return sd
+    reader = SafeFileSystemReader(tmp)
+    md = reader.read_metadata()
+    meta = {k: m for k, m in md.state_dict_metadata.items() if k.startswith(prefix)}
+    meta = {k: m for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    # The sizes come from the metadata, which whoever writes the store writes: DCP stores each
+    # tensor's bytes whole, so the tensors cannot outweigh the files that hold them.
+    need = sum(m.size.numel() * m.properties.dtype.itemsize for m in meta.values())
+    have = sum(f["bytes"] for f in rec["files"].values())
+    if need > have:
+        raise ExportError(f"its metadata declares {need} bytes of tensors in {have} bytes of files")
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()}
+    if sd:
+        # One process reads the whole model on purpose (no_dist); DCP warns that it assumes so.
+        with known_warning("torch.distributed is disabled", "torch.distributed.checkpoint"):
+            dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
@@ -167,11 +190,11 @@ def locate(source: str, step: int | None = None, open_storage: Callable[[str], S
             raise SourceError(f"{source}: no such safetensors file")
         return None, [source]
     path = source.rstrip("/")
-    parent, _, name = path.rpartition("/")
-    one = parse_step(name) if parent else None
+    parent, name = os.path.split(path)
+    one = parse_step(name)
     if one is not None and step is not None and step != one:
         raise SourceError(f"{source} is the step dir of step {one}, but --step {step} was given")
-    root = parent if one is not None else path
+    root = (parent or ".") if one is not None else path
     if "://" not in root:  # local: absolute, so what it names (a tag, a log line) holds from anywhere
         if not os.path.isdir(root):
             raise SourceError(
@@ -180,16 +203,18 @@ def locate(source: str, step: int | None = None, open_storage: Callable[[str], S
         root = os.path.abspath(root)
     store = open_storage(root)
     commits = Commits(store)
-    want = one if one is not None else step
+    # the step dir named (a regular save's or a rescue's); of --step N the regular save, else its rescue
+    names = [name] if one is not None else []
+    if one is None and step is not None:
+        names = [step_dir(step), step_dir(step, rescue=True)]
     try:
-        if want is not None:
-            rec = commits.read_commit(step_dir(want))
-            if rec is None:
-                have = [r["step"] for r in commits.committed()]
-                raise SourceError(
-                    f"{store.url(step_dir(want))}: not a committed checkpoint (committed steps: {have})"
-                )
-            return store, [rec]
+        for rel in names:
+            rec = commits.read_commit(rel)
+            if rec is not None:
+                return store, [rec]
+        if names:
+            have = sorted({r["step"] for r in commits.committed()}, reverse=True)
+            raise SourceError(f"{store.url(names[0])}: not a committed checkpoint (committed steps: {have})")
         committed = commits.committed()
     except OSError as e:  # an unreachable store, a path that is a file
         if isinstance(e, SourceError):

@@ -178,6 +178,15 @@ def parse_commit(data: bytes, rel: str) -> dict:
         raise CommitError(f"bad identity record {ident!r:.200}")
     if rec.get("max_steps") is not None and not (_int(rec["max_steps"]) and rec["max_steps"] > 0):
         raise CommitError(f"bad max_steps {rec['max_steps']!r}")
+    # read by inspect_checkpoint.py, evaluate.py and predict.py (eval_on: which weights by default),
+    # the relaunch (run, mlflow_run_id: whether to continue its MLflow run)
+    for key in ("backend", "run", "mlflow_run_id"):
+        if not isinstance(rec.get(key), str | None):
+            raise CommitError(f"bad {key} {rec[key]!r:.200}")
+    if rec.get("eval_on") not in (None, "model", "ema"):
+        raise CommitError(f"bad eval_on {rec['eval_on']!r:.200} (model or ema)")
+    if rec.get("bytes") is not None and not (_int(rec["bytes"]) and rec["bytes"] >= 0):
+        raise CommitError(f"bad bytes {rec['bytes']!r:.200}")
     rec["files"] = check_files(rec.get("files"))
     rec["dir"] = rel
     return rec
