@@ -101,8 +101,15 @@ def test_resume_none_refuses_to_overwrite_unless_asked(tmp_path):
     run_train(tmp_path, "trainer.max_steps=4")
     p, _ = run_train(tmp_path, "run.resume=none", expect_rc=2)
     assert "already has checkpoints" in p.stderr + p.stdout and "run.overwrite=true" in p.stderr + p.stdout
-    _, s = run_train(tmp_path, "run.resume=none", "run.overwrite=true")
+    # a sweep job's run lives in its sweep's run dir (run.name/<overrides>): it is another run's
+    job = ckpt_dir(tmp_path) / "checkpoint=dcp_sync"
+    (job / "attempts").mkdir(parents=True)
+    (job / "attempts" / "0000.json").write_text("{}")
+    (job / "step-000000004").mkdir()
+    p, s = run_train(tmp_path, "run.resume=none", "run.overwrite=true")
     assert s["resumed_from_steps"] == [] and s["steps"] == 12
+    assert (job / "attempts" / "0000.json").exists() and (job / "step-000000004").is_dir()
+    assert "keeping" in p.stderr + p.stdout and "checkpoint=dcp_sync, another run's" in p.stderr + p.stdout
 
 
 def test_resume_from_explicit_path_supersedes_the_newer_lineage(tmp_path, smoke_reference):

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from goodput import identity
 from goodput.checkpoint.export import SourceError, locate
+from goodput.checkpoint.layout import parse_step
 from goodput.config import Config, config_hash, validate
 from goodput.data.synthetic import COMPLETE, make_dataset, read_record
 from goodput.errors import UserError
@@ -27,6 +28,7 @@ from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
 from goodput.run import build
 from goodput.run.context import RunContext
+from goodput.storage.remote import DIR
 from goodput.tracking import (
     CHECKPOINT_TAG,
     IDENTITY_TAG,
@@ -118,9 +120,13 @@ def _prepare_run(
                 f"continue it, run.overwrite=true to discard them, or another run.name"
             )
         log.warning("run.overwrite=true: discarding %s", store.url())
-        for name in store.ls():
-            if name != RunLock.NAME:
-                store.rm(name, recursive=True)
+        for name, size in store.ls().items():
+            if name == RunLock.NAME:
+                continue
+            if size == DIR and _holds_a_run(store.ls(name)):  # a sweep job's run: run.name/<overrides>
+                log.warning("run.overwrite=true: keeping %s, another run's", store.url(name))
+                continue
+            store.rm(name, recursive=True)
         committed = []
     source = c.run.init_from  # a warm start: its weights must be there before a fresh start begins
     if source and not committed:
@@ -262,6 +268,12 @@ def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:
         return None
     run_id = rec.get("mlflow_run_id")
     return run_id if isinstance(run_id, str) and run_id else None
+
+
+def _holds_a_run(listing: dict) -> bool:
+    """A directory's listing is a run's own: its lock, its attempt records or its step dirs (what a
+    run writes directly under its dir, checkpoint.layout; none of its own subdirs holds these)."""
+    return RunLock.NAME in listing or "attempts" in listing or any(parse_step(n) is not None for n in listing)
 
 
 def parent_tag(run_id: str | None) -> dict[str, str]:
