@@ -63,6 +63,45 @@ def test_dataset_is_generated_aside(tmp_path):
     assert (other / COMPLETE).exists() and len(list((other / "train").rglob("*.jpg"))) == 6
 
 
+def test_demo_data_is_never_generated_into_a_folder_of_other_files(tmp_path):
+    """paths.data_dir pointed at one's own dataset: refused before any work, the files untouched
+    (the demo generator replaced train/ and val/ of a folder without its record)."""
+    from helpers import compose_train
+    from omegaconf import OmegaConf
+
+    from goodput.config import validate
+    from goodput.data.synthetic import REPLACING
+    from goodput.run.job import DataDirTaken, ensure_data
+
+    mine = tmp_path / "mydata"
+    (mine / "train" / "cat").mkdir(parents=True)
+    (mine / "train" / "cat" / "1.jpg").write_bytes(b"mine")
+    cfg = compose_train([f"paths.root={tmp_path}", f"paths.data_dir={mine}", "experiment=smoke"])
+    c = validate(OmegaConf.to_container(cfg, resolve=True))
+    with pytest.raises(
+        DataDirTaken, match=f"paths.data_dir {mine} holds train but no {COMPLETE}.*data.root={mine}"
+    ):
+        ensure_data(c)
+    assert (mine / "train" / "cat" / "1.jpg").read_bytes() == b"mine" and sorted(os.listdir(mine)) == [
+        "train"
+    ]
+    # a generator killed while replacing an older demo dataset leaves its marker: generated again
+    (mine / REPLACING).touch()
+    ensure_data(c)
+    assert (
+        read_record(str(mine))["num_classes"] == c.demo_data.num_classes and not (mine / REPLACING).exists()
+    )
+    assert not (mine / "train" / "cat").exists()
+    # an empty folder (or one holding only dotfiles) is anybody's: generated
+    (tmp_path / "empty" / ".DS_Store").parent.mkdir()
+    (tmp_path / "empty" / ".DS_Store").write_text("")
+    cfg = compose_train(
+        [f"paths.root={tmp_path}", f"paths.data_dir={tmp_path / 'empty'}", "experiment=smoke"]
+    )
+    ensure_data(validate(OmegaConf.to_container(cfg, resolve=True)))
+    assert read_record(str(tmp_path / "empty")) is not None
+
+
 # -- SIGKILL at random moments of a first start and of later runs -------------------------------
 # What an attempt logs as it goes, in order: the last one found says where a kill landed.
 STORE = "Creating initial MLflow database tables"

@@ -22,6 +22,7 @@ from goodput.resilience.lock import _pid_alive
 # Written last, after train/ and val/ are in place: a dataset without it is partial (the generator
 # was killed) and is never trained on (goodput.run.job.ensure_data regenerates it).
 COMPLETE = "DATASET.json"
+REPLACING = "DATASET.replacing"  # in a folder while a dataset's splits replace its old ones
 SHAPES = ["disc", "square", "triangle", "cross", "hbars", "vbars", "ring", "diamond", "checker", "dots"]
 
 
@@ -133,6 +134,19 @@ def read_record(root: str) -> dict | None:
         return None
 
 
+def foreign_files(root: str) -> list[str]:
+    """What makes `root` a folder the demo data may not be generated into: its entries, when it
+    holds any and is neither a generated dataset (its record) nor one being replaced (the marker
+    a killed generator leaves). Empty: generating there writes over nobody's files."""
+    try:
+        names = sorted(n for n in os.listdir(root) if not n.startswith("."))  # .DS_Store and the like
+    except FileNotFoundError:
+        return []
+    if COMPLETE in names or REPLACING in names:
+        return []
+    return names
+
+
 def _dead(pid: str) -> bool:
     return not pid.isdigit() or not _pid_alive(int(pid))
 
@@ -146,8 +160,10 @@ def _move_into_place(tmp: str, root: str, record: dict) -> None:
     if read_record(root) == record:  # a concurrent job finished the same dataset first: keep it
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    # root holds other things (or an older dataset): replace train/ and val/, the record last
+    # root holds other things (or an older dataset): replace train/ and val/, the record last. The
+    # marker first, so a kill half way leaves a folder known to be demo data (is_demo_data).
     os.makedirs(root, exist_ok=True)
+    open(os.path.join(root, REPLACING), "w").close()
     if os.path.exists(os.path.join(root, COMPLETE)):
         os.remove(os.path.join(root, COMPLETE))
     for split in ("train", "val", "test"):
@@ -155,4 +171,5 @@ def _move_into_place(tmp: str, root: str, record: dict) -> None:
         if os.path.isdir(os.path.join(tmp, split)):
             os.rename(os.path.join(tmp, split), os.path.join(root, split))
     os.rename(os.path.join(tmp, COMPLETE), os.path.join(root, COMPLETE))
+    os.remove(os.path.join(root, REPLACING))
     os.rmdir(tmp)

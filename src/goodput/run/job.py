@@ -22,7 +22,7 @@ from goodput import identity
 from goodput.checkpoint.export import SourceError, locate
 from goodput.checkpoint.layout import parse_step
 from goodput.config import Config, config_hash, validate
-from goodput.data.synthetic import COMPLETE, make_dataset, read_record
+from goodput.data.synthetic import COMPLETE, foreign_files, make_dataset, read_record
 from goodput.errors import UserError
 from goodput.resilience.accounting import process_start
 from goodput.resilience.lock import RunLock
@@ -48,6 +48,10 @@ _STARTED: list[float] = []  # the jobs this process prepared
 
 class AlreadyDone(Exception):
     pass
+
+
+class DataDirTaken(UserError, FileExistsError):
+    """paths.data_dir (where the demo data is generated) holds files that are not demo data."""
 
 
 class IdentityChanged(UserError, ValueError):
@@ -294,7 +298,15 @@ def _ensure_dataset(c: Config, store) -> None:
     """The demo data generated where it is missing; the dataset class checks `store` (data.root)."""
     root = c.data.root
     if root == c.paths.data_dir and read_record(root) is None:  # the demo data: generate it
-        if os.path.isdir(os.path.join(root, "train")):  # no completion record: a killed generator's
+        foreign = foreign_files(root)
+        if foreign:  # somebody's files (paths.data_dir pointed at a dataset): never written over
+            raise DataDirTaken(
+                f"paths.data_dir {root} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''} "
+                f"but no {COMPLETE}: it is not goodput's demo data, so the demo data is not generated "
+                f"there. To train on the data in it, pass data.root={root} (paths.data_dir is where "
+                f"the demo data goes); for the demo data, name an empty or new folder"
+            )
+        if os.path.isdir(os.path.join(root, "train")):  # a killed generator's (its marker is there)
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
         ds = c.demo_data
         log.info("demo data not found: generating it at %s", root)
