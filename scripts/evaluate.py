@@ -31,7 +31,7 @@ import tempfile
 
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
-from goodput.inference import data_of, evaluation_loader, load
+from goodput.inference import data_of, evaluation_loader, integer, load
 from goodput.run.evaluate import default_top_k, evaluate, write_report
 
 DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from the repository root
@@ -55,15 +55,15 @@ def default_store(checkpoint: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a run's checkpoint dir, one step dir in it, or a .safetensors export")
-    p.add_argument("--step", type=int, help="which commit of the checkpoint dir (default: the newest)")
+    p.add_argument("--step", type=integer(0), help="which commit of the checkpoint dir (default: the newest)")
     p.add_argument(
         "--weights", choices=["model", "ema"], help="default: what the run evaluated (trainer.eval_on)"
     )
     p.add_argument("--split", default="val", choices=["val", "test"])
     p.add_argument("--data-root", help="the dataset (default: the run's data.root, from the commit record)")
-    p.add_argument("--top-k", type=int, help="k of <split>/top<k> (default: 5 with at least 5 classes)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=0, help="DataLoader processes (0 = this one)")
+    p.add_argument("--top-k", type=integer(1), help="k of <split>/top<k> (default: 5 from 5 classes up)")
+    p.add_argument("--batch-size", type=integer(1), default=64)
+    p.add_argument("--workers", type=integer(0), default=0, help="DataLoader processes (0 = this one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also keep per_class.csv and confusion_matrix.png in this folder")
     p.add_argument("--tracking-uri", help=f"the MLflow store (default: the run's own, else {DEFAULT_STORE})")

@@ -24,7 +24,7 @@ import sys
 
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
-from goodput.inference import csv_rows, image_files, load, predict
+from goodput.inference import csv_rows, image_files, integer, load, predict
 
 
 def main(argv=None) -> int:
@@ -34,10 +34,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("images", nargs="+", help="image files and folders (searched recursively)")
     p.add_argument("--out", help="write the CSV here (default: stdout)")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--step", type=int, help="which commit of a checkpoint dir (default: the newest)")
+    p.add_argument("--top-k", type=integer(1), default=5)
+    p.add_argument("--step", type=integer(0), help="which commit of a checkpoint dir (default: the newest)")
     p.add_argument("--weights", choices=["model", "ema"], help="checkpoints: default what the run evaluated")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=integer(1), default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"), help="for a models:/ URI")
     p.add_argument("--allow-target", action="append", default=[], help="trust this model _target_ too")

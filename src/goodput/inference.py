@@ -11,6 +11,7 @@ MLflow model is a pickled module: loading it runs code from the artifact store (
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from dataclasses import dataclass
@@ -53,6 +54,21 @@ class Loaded:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def integer(least: int):
+    """An argparse type: an integer >= `least` (a usage error naming the flag, not a traceback later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    return parse
 
 
 def is_mlflow(source: str) -> bool:
@@ -190,9 +206,15 @@ def evaluation_loader(loaded: Loaded, root: str, dataset: dict, split: str, batc
     from goodput.data.augment import AugmentConfig
     from goodput.data.config import DataConfig
     from goodput.data.loader import eval_loader
+    from goodput.data.shards import INDEX
     from goodput.storage.remote import Storage
 
     store = Storage(root)
+    if store.exists(INDEX):  # data.root was a dataset packed ahead of time (pack_shards.py)
+        raise InputError(
+            f"the dataset at {root} is packed into shards ({store.url(INDEX)}): evaluate.py reads an "
+            f"ImageFolder; pass --data-root with the one it was packed from"
+        )
     if not store.exists(split):
         raise InputError(
             f"the dataset at {root} has no {split} split (no {store.url(split)}/<class>/<image>)"

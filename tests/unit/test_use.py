@@ -306,6 +306,11 @@ def test_the_test_split_is_evaluated_when_present_and_refused_naming_it_when_abs
     make_dataset(str(tmp_path / "plain"), num_classes=4, train_per_class=4, val_per_class=2, image_size=16)
     with pytest.raises(InputError, match=r"has no test split \(no .*plain/test/<class>/<image>\)"):
         evaluation_loader(loaded_of(), str(tmp_path / "plain"), node, "test", 5, 0)
+    from goodput.data.shards import pack  # a run trained on data.root=<shards packed ahead of time>
+
+    pack(Storage(root), Storage(str(tmp_path / "packed")))
+    with pytest.raises(InputError, match=r"packed into shards .*index.json\): .*pass --data-root"):
+        evaluation_loader(loaded_of(), str(tmp_path / "packed"), node, "val", 5, 0)
     other = ["cross", "disc", "ring", "square"]  # the model's classes are not the split's
     with pytest.raises(InputError, match=r"missing there: \['ring'\], not trained on: \['triangle'\]"):
         evaluation_loader(loaded_of(other), root, node, "test", 5, 0)
@@ -436,11 +441,20 @@ def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
         ([str(good), str(tmp_path / "missing.jpg")], "missing.jpg: no such file or folder"),
         ([str(good), str(tmp_path / "bad.png")], "bad.png: cannot decode as an image"),
         ([str(tmp_path / "nothing"), image], "no such directory"),
+        ([str(good), image, "--step", "3"], "good.safetensors is an export of one step: --step applies"),
+        ([str(good), image, "--weights", "ema"], "good.safetensors holds the model weights, not the ema"),
     ]:
         err = io.StringIO()
         with redirect_stderr(err):
             assert main(argv) == 2, argv
         assert message in err.getvalue() and err.getvalue().count("\n") == 1, err.getvalue()
+    usage = [("--top-k", "0", "0 is below 1"), ("--batch-size", "0", "0 is below 1"),
+             ("--step", "-1", "-1 is below 0"), ("--top-k", "x", "'x' is not an integer")]  # fmt: skip
+    for flag, value, message in usage:
+        err = io.StringIO()
+        with redirect_stderr(err), pytest.raises(SystemExit) as stop:
+            main([str(good), image, flag, value])  # argparse's usage error, before anything is read
+        assert stop.value.code == 2 and f"argument {flag}: {message}" in err.getvalue(), err.getvalue()
     out = io.StringIO()
     with redirect_stdout(out):
         assert main([str(good), image]) == 0

@@ -188,6 +188,8 @@ def locate(source: str, step: int | None = None, open_storage: Callable[[str], S
     if is_safetensors(source):
         if not os.path.isfile(source):
             raise SourceError(f"{source}: no such safetensors file")
+        if step is not None:
+            raise SourceError(f"{source} is an export of one step: --step applies to a checkpoint dir")
         return None, [source]
     path = source.rstrip("/")
     parent, name = os.path.split(path)
@@ -237,7 +239,10 @@ def read_weights(
     `eval_on`). A safetensors file gives the weights it holds."""
     store, candidates = locate(source, step, open_storage)
     if store is None:
-        return _read_safetensors(candidates[0])
+        got = _read_safetensors(candidates[0])
+        if weights is not None and weights != got.weights:
+            raise SourceError(f"{source} holds the {got.weights} weights, not the {weights} ones")
+        return got
     for i, rec in enumerate(candidates):
         which = weights or (rec.get("eval_on") if rec.get("eval_on") in WEIGHTS else "model")
         try:
