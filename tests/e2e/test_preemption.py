@@ -170,6 +170,36 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
     assert final[0]["sample_order_sha256"] == ref["sample_order_sha256"]
 
 
+# The scheduler's notice after the loop's last commit, as the end of the run is written.
+LATE_NOTICE = """
+import os, runpy, signal, sys
+from goodput.run import worker
+real = worker.write_summary
+def noticed_late(t, result):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(t, result)
+worker.write_summary = noticed_late
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_notice_after_the_last_step_does_not_cut_the_end_of_the_run_short(tmp_path):
+    """Killed there, the run was complete (its final commit) but had no summary, no logged model
+    and stayed RUNNING; every relaunch then said "nothing to do". The end is written first."""
+    from helpers import REPO, entry_env
+
+    cmd = [sys.executable, "-c", LATE_NOTICE, *train_cmd(tmp_path, "mlflow.log_model=final")[1:]]
+    p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "received SIGTERM after the last step: wrote the end of the run first" in out
+    summary = json.loads(next(tmp_path.glob("**/summary.json")).read_text())
+    assert summary["finished"] and summary["steps"] == 12 and summary["mlflow_model_uri"]
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+
+
 STOP_SCRIPT = """
 import os, signal, sys, time
 from goodput.resilience.preemption import StopSignal

@@ -68,6 +68,11 @@ class StopSignal:
             self._grace.cancel()  # every rank reached the boundary: the checkpoint can take its time
         return bool(t.item())
 
+    def finishing(self) -> None:
+        """The loop is over: a notice from now on has nothing to stop (the run is on its way out),
+        so it starts no grace timer; a second signal still exits at once."""
+        self._grace.cancel()
+
     def restore(self) -> None:
         """Put back the handlers found at start (SIG_DFL, or submitit's: see hand_back)."""
         for sig, h in self._previous.items():

@@ -35,7 +35,7 @@ def train(t) -> dict:
     log_every = max(1, tr.log_every_n_steps)
     eval_every = tr.eval_every_n_steps
     # A rank stuck past the grace (a peer died inside a collective) rescues the last finished step first
-    stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.request)
+    stop = t.stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.request)
     progress = Progress(tr.progress, tr.progress_every_s, t.loader.step, max_steps, d.rank)
 
     step = t.loader.step
@@ -135,7 +135,10 @@ def train(t) -> dict:
 
     progress.close()
     t.profiler.stop()  # a run that ended inside the profiled steps still writes its trace
-    stop.restore()
+    # The end of the run (the last upload, the summary, the logged model) is not cut short by a
+    # notice: it is this process's way out, and a kill half way leaves a complete run without them.
+    # A second signal still exits at once; the worker puts the handlers back when it has written it.
+    stop.finishing()
     tw = time.perf_counter()
     t.ckpt.wait()  # the last save must be committed before the process may exit
     t.goodput.add("checkpoint", time.perf_counter() - tw)

@@ -79,6 +79,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
         summary = write_summary(t, result) if d.rank == 0 else None
         status = "FINISHED" if result["finished"] else "KILLED"  # KILLED: stopped by a signal, resumable
+        if t.stop.received and not result["preempted"]:
+            log.warning("received %s after the last step: wrote the end of the run first", t.stop.received)
         return summary
     except BaseException as e:
         status, error = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", e
@@ -94,6 +96,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.tracker.close(status, error)
         else:  # the build failed (a bad _target_, a data error)
             end_run(status, error)
+        if t is not None and t.stop is not None:
+            t.stop.restore()  # after the MLflow run's end: a notice never cuts the run's end short
         shutdown_distributed()
         if helper_env is None:
             os.environ.pop(HELPER_ENV, None)
