@@ -170,18 +170,35 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
     assert final[0]["sample_order_sha256"] == ref["sample_order_sha256"]
 
 
-# The scheduler's notice after the loop's last commit, as the end of the run is written.
-LATE_NOTICE = """
+# The scheduler's notice as the worker calls `where` (the run's end: write_summary; its start-up:
+# resume), then the real entry point.
+NOTICE_AT = """
 import os, runpy, signal, sys
 from goodput.run import worker
-real = worker.write_summary
-def noticed_late(t, result):
+where = sys.argv.pop(1)
+real = getattr(worker, where)
+def noticed(*a, **k):
     os.kill(os.getpid(), signal.SIGTERM)
-    return real(t, result)
-worker.write_summary = noticed_late
+    return real(*a, **k)
+setattr(worker, where, noticed)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def test_a_notice_during_the_start_up_ends_the_run_killed_before_its_first_step(tmp_path):
+    """Before the loop, SIGTERM killed the process: the MLflow run stayed RUNNING until a relaunch."""
+    from helpers import REPO, entry_env
+
+    cmd = [sys.executable, "-c", NOTICE_AT, "resume", *train_cmd(tmp_path)[1:]]
+    p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "received SIGTERM during the start-up: stopping before step 1" in out
+    summary = json.loads(next(tmp_path.glob("**/summary.json")).read_text())
+    assert summary["steps"] == 0 and not summary["finished"] and summary["preempted"] == "SIGTERM"
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(summary["mlflow_run_id"])
+    assert run.info.status == "KILLED"
 
 
 def test_a_notice_after_the_last_step_does_not_cut_the_end_of_the_run_short(tmp_path):
@@ -189,7 +206,8 @@ def test_a_notice_after_the_last_step_does_not_cut_the_end_of_the_run_short(tmp_
     and stayed RUNNING; every relaunch then said "nothing to do". The end is written first."""
     from helpers import REPO, entry_env
 
-    cmd = [sys.executable, "-c", LATE_NOTICE, *train_cmd(tmp_path, "mlflow.log_model=final")[1:]]
+    entry = train_cmd(tmp_path, "mlflow.log_model=final")[1:]
+    cmd = [sys.executable, "-c", NOTICE_AT, "write_summary", *entry]
     p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]

@@ -68,6 +68,11 @@ class StopSignal:
             self._grace.cancel()  # every rank reached the boundary: the checkpoint can take its time
         return bool(t.item())
 
+    def rescuing(self, last_words) -> StopSignal:
+        """`last_words(reason)` from now on (the Trainer's rescue exists once it is built)."""
+        self._grace.last_words = last_words
+        return self
+
     def finishing(self) -> None:
         """The loop is over: a notice from now on has nothing to stop (the run is on its way out),
         so it starts no grace timer; a second signal still exits at once."""

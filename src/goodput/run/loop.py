@@ -6,7 +6,6 @@ import logging
 import time
 
 from goodput.resilience.accounting import sync_point
-from goodput.resilience.preemption import StopSignal
 from goodput.run.evaluate import default_top_k, evaluate
 from goodput.run.observe import gather_ranks, rank_stats
 from goodput.run.progress import Progress
@@ -34,8 +33,7 @@ def train(t) -> dict:
     max_steps = tr.max_steps
     log_every = max(1, tr.log_every_n_steps)
     eval_every = tr.eval_every_n_steps
-    # A rank stuck past the grace (a peer died inside a collective) rescues the last finished step first
-    stop = t.stop = StopSignal(tr.signal_grace_seconds, last_words=t.rescue.request)
+    stop = t.stop  # the worker's StopSignal: installed since the start-up, put back after the run's end
     progress = Progress(tr.progress, tr.progress_every_s, t.loader.step, max_steps, d.rank)
 
     step = t.loader.step
@@ -89,6 +87,9 @@ def train(t) -> dict:
     final = t.resumed_rescue and (step >= max_steps or t.early_stopping.stopped_at == step)
     early = final and t.early_stopping.stopped_at == step
     done = (t.evaluate_first or final) and after(step, evaluating=True, counted=not t.evaluate_first)
+    if not done and stop.agreed(d.world):  # a notice during the start-up: no step, nothing new to save
+        log.warning("received %s during the start-up: stopping before step %d", stop.received, step + 1)
+        done = True
     while step < max_steps and not done:
         t.rng.at_step(step)  # every random stream a function of (seed, rank, step): see RNGState
         t.profiler.at(step)  # trainer.profile_*: starts/stops the trace at a step boundary

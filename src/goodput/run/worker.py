@@ -24,6 +24,7 @@ from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
+from goodput.resilience.preemption import StopSignal
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
 from goodput.run import loop, refusal
@@ -43,10 +44,10 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     first = restart_round() == 0
     t_start = ctx.job_start if first else process_start()
     recovery = Recovery()
-    # The loop marks this process's helpers while it runs (StopSignal); a loop that raised leaves
-    # the mark, and a job launched later from this process (an in-process search's next trial)
-    # would pass it on to its forkserver, which would then block the preemption signals of every
-    # rank it forks. Put back below, on every way out but fail_fast's exit.
+    # The StopSignal marks this process's helpers while it is installed (HELPER_ENV); left behind, a
+    # job launched later from this process (an in-process search's next trial) would pass it on to
+    # its forkserver, which would then block the preemption signals of every rank it forks. Put
+    # back below, on every way out but fail_fast's exit.
     helper_env = os.environ.get(HELPER_ENV)
     recovery.mark("imports_done")  # this module is imported before `worker` is called
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
@@ -59,6 +60,10 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         if d.rank == 0:
             tracking.end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, error, status)
 
+    # From here a preemption notice is the run's: noted and acted on by the loop (before its first
+    # step, when it came during the start-up), not a death that leaves the MLflow run RUNNING. (Not
+    # earlier: a rank waiting for a dead peer's process group is ended by the agent's SIGTERM at once.)
+    stop = StopSignal(c.trainer.signal_grace_seconds)
     try:
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
@@ -70,6 +75,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
         init_from(t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url))
+        t.stop = stop.rescuing(t.rescue.request)  # a rank stuck past the grace rescues the last step first
         t.evaluate_first = bool(rec and rec.get("evaluate_first"))  # a rescue before its step's evaluation
         t.resumed_rescue = bool(rec and rec.get("kind") == "rescue")
         begin_attempt(t, rec, t_start)
@@ -96,8 +102,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.tracker.close(status, error)
         else:  # the build failed (a bad _target_, a data error)
             end_run(status, error)
-        if t is not None and t.stop is not None:
-            t.stop.restore()  # after the MLflow run's end: a notice never cuts the run's end short
+        stop.restore()  # after the MLflow run's end: a notice never cuts the run's end short
         shutdown_distributed()
         if helper_env is None:
             os.environ.pop(HELPER_ENV, None)
@@ -106,8 +111,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
 def _process_defaults(c: Config) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in PREEMPT_SIGNALS:  # a worker from the forkserver inherits SIG_IGN (forkserver_init):
-            if signal.getsignal(sig) == signal.SIG_IGN:  # until the loop handles them, a stop
-                signal.signal(sig, signal.SIG_DFL)  # request ends the process, as it always did
+            if signal.getsignal(sig) == signal.SIG_IGN:  # the StopSignal takes them next (main
+                signal.signal(sig, signal.SIG_DFL)  # thread only: elsewhere a stop ends the process)
     logs.setup()  # goodput.logs: the job's one format (an elastic worker starts with no handler)
     torch.set_num_threads(c.trainer.num_threads)
     if c.trainer.deterministic:
