@@ -89,6 +89,35 @@ def test_process_group_signal_single(tmp_path, smoke_reference, sig):
     check_preempted_then_resumed(tmp_path, sig, ref, "checkpoint=dcp_sync", *EXTRA, *model)
 
 
+def test_a_ddp_notice_before_the_workers_listen_stops_them_before_their_first_step(tmp_path):
+    """The agent got SIGTERM as it started its workers (forked from a forkserver still importing,
+    or ignoring signals as forked): forwarded to nobody, the notice was lost and the job trained
+    to the end. The agent notes it; the workers stop before their first step, KILLED, exit 0."""
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        p = start_train(train_cmd(tmp_path, "parallel=ddp"), out)
+        try:
+            deadline = time.monotonic() + 240
+            while not list(tmp_path.glob("runs/**/elastic")):  # the agent is starting its workers
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.02)
+            os.killpg(p.pid, signal.SIGTERM)
+            rc = p.wait(timeout=240)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 0, out[-4000:]
+    summary = json.loads(next(tmp_path.glob("runs/**/summary.json")).read_text())
+    assert summary["steps"] < 12 and not summary["finished"] and summary["preempted"] == "SIGTERM", out[
+        -3000:
+    ]
+    assert (
+        MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(summary["mlflow_run_id"]).info.status
+        == "KILLED"
+    )
+
+
 @pytest.fixture(scope="module")
 def ddp_reference_40(tmp_path_factory):
     _, s = run_train(tmp_path_factory.mktemp("ddp-ref-40"), "parallel=ddp", "checkpoint=dcp_sync", *EXTRA)

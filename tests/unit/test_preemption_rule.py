@@ -102,3 +102,26 @@ def test_the_agent_restarts_failed_workers_only_before_a_notice(monkeypatch):
     SimpleElasticAgent._restart_workers(None, "after")  # put back on exit, with the handlers
     assert restarts == ["round 1", "after"]
     assert {sig: signal.getsignal(sig) for sig in (TERM, INT)} == previous
+
+
+def test_a_notice_the_agent_got_before_its_workers_listened_reaches_them(tmp_path, monkeypatch):
+    """Under parallel=ddp a SIGTERM during the start-up came while the agent had no worker yet (or
+    one still ignoring signals, as forked from the forkserver): forwarded to nobody, it was lost and
+    the job trained to the end. The agent notes it; a worker reads it when it starts listening."""
+    monkeypatch.setattr(preemption.multiprocessing, "active_children", lambda: [])  # no worker yet
+    notice = preemption.notice_file(str(tmp_path))
+    with LeaveStopToWorkers(notice=notice) as h:
+        h._handle(TERM, None)
+    stop = StopSignal(grace_s=30.0, notice=notice)
+    try:
+        assert stop.received == "SIGTERM"
+        stop._handle(TERM, None)  # the agent's forwarded copy, later: not a second notice
+        assert stop.received == "SIGTERM"
+    finally:
+        stop.restore()
+    preemption.clear_notice(notice)  # the next launch in this run dir: no notice
+    (tmp_path / "elastic" / preemption.NOTICE).write_text("os.system")  # only a signal's name counts
+    for path in (notice, str(tmp_path / "nothing")):
+        stop = StopSignal(grace_s=30.0, notice=path)
+        stop.restore()
+        assert stop.received is None

@@ -37,8 +37,11 @@ class StopSignal:
     elastic agent's process, LeaveStopToWorkers). The rule: signals.Preemption.
     """
 
-    def __init__(self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S, last_words=None):
-        """`last_words(reason)`: called before the grace runs out into an exit (a rescue)."""
+    def __init__(
+        self, grace_s: float, dup_s: float = DUPLICATE_WINDOW_S, last_words=None, notice: str | None = None
+    ):
+        """`last_words(reason)`: called before the grace runs out into an exit (a rescue). `notice`:
+        the file where this node's elastic agent notes a notice it got (notice_file), read now."""
         self.received = None
         self.grace_s = grace_s
         self._notice = Preemption(dup_s)
@@ -52,6 +55,12 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave the default handlers
                 pass
+        # A notice the agent got before this worker listened (not yet forked, or still ignoring
+        # signals as the forkserver does): the stop is agreed at the first boundary. Not counted
+        # as a first signal: the agent's forwarded copy must not escalate into an exit.
+        noted = read_notice(notice)
+        if noted and self.received is None:
+            self.received = noted
 
     def _handle(self, signum, frame):
         action = self._notice.notify(signum, time.monotonic())
@@ -101,6 +110,34 @@ def hand_back(summary: dict | None, previous: dict, max_steps: int) -> None:
         handler(getattr(signal, name), None)
 
 
+NOTICE = "stop-notice"
+
+
+def notice_file(run_dir: str) -> str:
+    """Where the elastic agent of this node notes a preemption notice for its workers."""
+    return os.path.join(run_dir, "elastic", NOTICE)
+
+
+def read_notice(path: str | None) -> str | None:
+    """The signal name noted at `path`, or None (no file, or not a preemption signal's name)."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            name = f.read(16).strip()
+    except OSError:
+        return None
+    return name if name in {s.name for s in PREEMPT_SIGNALS} else None
+
+
+def clear_notice(path: str) -> None:
+    """A launch starts with no notice: one left by an earlier launch in the same run dir is not its."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 class LeaveStopToWorkers:
     """While the elastic agent runs in this process: a preemption signal is the workers' to act on
     (they finish the step, checkpoint and exit 0, and the agent sees success). The agent's own
@@ -109,8 +146,11 @@ class LeaveStopToWorkers:
     they also got from the process group counts once, see StopSignal); another signal later
     hands over to the agent's teardown, as its own handler would have done (Preemption's rule)."""
 
-    def __init__(self, dup_s: float = DUPLICATE_WINDOW_S):
+    def __init__(self, dup_s: float = DUPLICATE_WINDOW_S, notice: str | None = None):
+        """`notice`: the file the first notice is noted in (notice_file), for workers that were
+        not listening yet when it came; a signal forwarded to them then would be lost."""
         self._notice = Preemption(dup_s)
+        self._notice_path = notice
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._handle) for sig in PREEMPT_SIGNALS}
@@ -141,6 +181,13 @@ class LeaveStopToWorkers:
         if action is Action.ESCALATE:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)  # agent: shut down
         log.warning("received %s: asking the workers to checkpoint and stop", sig.name)
+        if self._notice_path is not None:
+            try:
+                os.makedirs(os.path.dirname(self._notice_path), exist_ok=True)
+                with open(self._notice_path, "w") as f:
+                    f.write(sig.name)
+            except OSError as e:  # the forwarded signal still reaches the workers that listen
+                log.warning("could not note %s for the workers in %s: %s", sig.name, self._notice_path, e)
         for p in multiprocessing.active_children():  # the agent's workers (spawned by this process)
             try:
                 os.kill(p.pid, signum)

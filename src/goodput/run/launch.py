@@ -16,7 +16,7 @@ import uuid
 
 from goodput.config import Config
 from goodput.parallel import free_port
-from goodput.resilience.preemption import LeaveStopToWorkers, hand_back
+from goodput.resilience.preemption import LeaveStopToWorkers, clear_notice, hand_back, notice_file
 from goodput.resilience.recovery import AgentPhases
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.run.context import RunContext
@@ -55,6 +55,7 @@ def launch(c: Config, ctx: RunContext) -> dict | None:
     # Whatever handled the preemption signals before us (submitit: checkpoint + requeue + exit)
     # gets the signal back once the loop has committed its checkpoint: requeueing stays its job.
     previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
+    clear_notice(notice_file(ctx.run_dir))  # an earlier launch's, in the same run dir
     par = c.parallel
     if external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
         summary = worker(c, ctx)
@@ -90,7 +91,8 @@ def _elastic(c: Config, ctx: RunContext) -> dict | None:
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctx.run_dir, "elastic")),
     )
     try:
-        with LeaveStopToWorkers(), NoRestartOnRefusal(ctx.run_dir):  # a UserError: one line, exit 2
+        stop = LeaveStopToWorkers(notice=notice_file(ctx.run_dir))  # noted for workers not listening yet
+        with stop, NoRestartOnRefusal(ctx.run_dir):  # a UserError: one line, exit 2
             results = elastic_launch(lc, worker)(c, ctx)
     except RendezvousError as e:
         raise RendezvousUnreachable(

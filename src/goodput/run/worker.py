@@ -24,7 +24,7 @@ from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
-from goodput.resilience.preemption import StopSignal
+from goodput.resilience.preemption import StopSignal, notice_file
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
 from goodput.run import loop, refusal
@@ -53,6 +53,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
     logs.setup(d.rank, ctx.run_dir)
+    notice = notice_file(ctx.run_dir)  # this node's: its agent notes a notice there
     ctx = _rank0_view(ctx, d)
     t, status, error = None, "FAILED", None
 
@@ -63,7 +64,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     # From here a preemption notice is the run's: noted and acted on by the loop (before its first
     # step, when it came during the start-up), not a death that leaves the MLflow run RUNNING. (Not
     # earlier: a rank waiting for a dead peer's process group is ended by the agent's SIGTERM at once.)
-    stop = StopSignal(c.trainer.signal_grace_seconds)
+    stop = StopSignal(c.trainer.signal_grace_seconds, notice=notice)
     try:
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
