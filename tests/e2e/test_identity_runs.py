@@ -38,6 +38,9 @@ def script(cwd, name: str, *argv: str) -> subprocess.CompletedProcess:
 def test_the_readme_order_trains_a_new_run_for_own_data_and_another_model(tmp_path):
     root, flowers = tmp_path / "out", tmp_path / "flowers"
     _, first = run_train(root)  # `make train`'s job (the smoke preset, for time)
+    p, _ = run_train(root, "checkpoint=torch_save", "data=remote")  # the README's baselines, without run.name
+    said = p.stdout + p.stderr
+    assert "is complete" in said and "give it a run.name of its own, or use -m (one run per job)" in said
     # README "Use the model", as written: the experiment's name, not the run's (smoke-<digest>)
     short, ran = "out/checkpoints/smoke", first["checkpoint_dir"]
     p = script(tmp_path, "evaluate.py", short)

@@ -152,8 +152,9 @@ def _prepare_run(
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it reached step {newest['step']} "
             f"(trainer.max_steps={c.trainer.max_steps}); nothing to do. Raise trainer.max_steps to train "
-            f"it further; a command that changes what is trained is a new run. Checkpoint: "
-            f"{store.url(newest['dir'])}"
+            f"it further; a command that changes what is trained is a new run, one that changes only how "
+            f"(checkpoint, data source, parallelism) is this run: give it a run.name of its own, or use -m "
+            f"(one run per job). Checkpoint: {store.url(newest['dir'])}"
         )
     if newest is not None and newest.get("stop_reason") and not unfinished:
         raise AlreadyDone(
