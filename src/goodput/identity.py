@@ -41,7 +41,12 @@ TABLE: list[tuple[str, bool, str]] = [
     ("model.*", True, "the network: its class and every argument"),
     # paths
     ("paths.root", False, "where state lives; moving it moves the whole run"),
-    ("paths.data_dir", False, "where the demo data lives (its contents: demo_data.*)"),
+    (
+        "paths.data_dir",
+        False,
+        "where the demo data lives (its contents: demo_data.*); a folder holding other files is refused,"
+        " never generated into (your data: `data.root`)",
+    ),
     ("paths.cache_dir", False, "a node-local cache"),
     ("paths.checkpoint_dir", False, "where checkpoints live"),
     ("paths.staging_dir", False, "node-local staging"),
