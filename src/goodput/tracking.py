@@ -161,17 +161,23 @@ def _sqlite_path(uri: str) -> str | None:
     return uri[len(prefix) :] if uri.startswith(prefix) and ":memory:" not in uri else None
 
 
-def _sqlite_state(path: str) -> tuple[str | None, int | None]:
+def _sqlite_state(path: str) -> tuple[str | None, int | None] | None:
     """(schema revision, number of runs) of a SQLite store, read without MLflow: an MLflow engine
-    opened on a half-made file stays cached for its path and would outlive moving it aside."""
+    opened on a half-made file stays cached for its path and would outlive moving it aside. None
+    when the file cannot be read as it is: locked, or a writer was killed mid-write and left a hot
+    journal, which only a read-write open (MLflow's) rolls back."""
     out: list = [None, None]
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
-        for i, q in enumerate(("SELECT version_num FROM alembic_version", "SELECT count(*) FROM runs")):
-            try:
-                row = con.execute(q).fetchone()
-                out[i] = row[0] if row else None
-            except sqlite3.Error:
-                pass
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            for i, q in enumerate(("SELECT version_num FROM alembic_version", "SELECT count(*) FROM runs")):
+                try:
+                    row = con.execute(q).fetchone()
+                    out[i] = row[0] if row else None
+                except sqlite3.OperationalError as e:
+                    if "no such table" not in str(e):
+                        return None
+    except sqlite3.Error:
+        return None
     return out[0], out[1]
 
 
@@ -188,11 +194,17 @@ def ensure_store(uri: str) -> None:
     if os.path.exists(path):
         from mlflow.store.db.utils import _get_latest_schema_revision
 
-        revision, runs = _sqlite_state(path)
+        state = _sqlite_state(path)
+        if state is None:
+            return  # what it holds is unknown: never moved aside on a guess
+        revision, runs = state
         if revision == _get_latest_schema_revision() or runs:
             return
         aside = f"{path}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(path, aside)
+        for side in ("-journal", "-wal", "-shm"):  # SQLite would play a journal left here into the new store
+            if os.path.exists(path + side):
+                os.replace(path + side, aside + side)
         log.warning(
             "MLflow store %s is half-made (schema revision %s, no runs: a job was killed while "
             "creating it); moved it to %s and starting a new one",

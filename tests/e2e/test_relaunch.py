@@ -48,6 +48,60 @@ def test_a_store_with_runs_is_never_moved_aside(tmp_path):
     assert db.exists() and not [p for p in tmp_path.iterdir() if ".broken-" in p.name]
 
 
+def test_a_store_whose_writer_was_killed_mid_write_keeps_its_runs(tmp_path):
+    """A SIGKILL while the tracking thread writes leaves a hot journal beside the store. A read-only
+    look cannot roll it back ("attempt to write a readonly database"): that is no reason to move
+    the store aside. Moving it left the journal behind, MLflow played the old store's pages into
+    the new file, and the relaunch failed on "database disk image is malformed"."""
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    first = start_run(uri, "exp", "r", {"a": "1"}, None, str(tmp_path / "art"))
+    pid = os.fork()
+    if pid == 0:  # a writer killed inside its transaction, as SIGKILL finds the tracking thread
+        try:
+            con = sqlite3.connect(db, isolation_level=None)
+            con.execute("PRAGMA cache_size = 1")  # spill pages to the file before the commit
+            con.execute("BEGIN")
+            con.execute("CREATE TABLE filler (x)")
+            con.executemany("INSERT INTO filler VALUES (?)", [("x" * 500,)] * 2000)
+            con.execute("UPDATE runs SET name = 'torn'")
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "mlflow.db-journal").stat().st_size > 0  # the hot journal
+    second = start_run(uri, "exp", "r2", {"a": "2"}, None, str(tmp_path / "art"))
+    assert not [p.name for p in tmp_path.iterdir() if ".broken-" in p.name]
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        names = dict(con.execute("SELECT run_uuid, name FROM runs"))
+    assert names == {first: "r", second: "r2"}  # the torn write rolled back, the first run kept
+
+
+def test_a_half_made_store_is_moved_aside_with_its_write_ahead_log(tmp_path):
+    """A half-made store in WAL mode (another tool's, or a user's setting) keeps its last writes in
+    mlflow.db-wal: moved aside with the file, never left for SQLite to replay into the new store."""
+    db = tmp_path / "mlflow.db"
+    pid = os.fork()
+    if pid == 0:  # killed with its writes still in the log (a clean close would checkpoint them)
+        try:
+            con = sqlite3.connect(db, isolation_level=None)
+            con.execute("PRAGMA journal_mode = WAL")
+            con.execute("CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY, name TEXT)")
+            con.execute("CREATE TABLE spans (trace_id TEXT)")
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "mlflow.db-wal").stat().st_size > 0
+    run_id = start_run(f"sqlite:///{db}", "exp", "r", {}, None, str(tmp_path / "art"))
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert [r for (r,) in con.execute("SELECT run_uuid FROM runs")] == [run_id]
+    (aside,) = [p for p in tmp_path.iterdir() if ".broken-" in p.name and not p.name.endswith(("-wal", "-shm"))]
+    assert (tmp_path / f"{aside.name}-wal").exists()
+    with sqlite3.connect(aside) as con:  # the log travelled with it: its tables are still there
+        assert {"experiments", "spans"} <= {n for (n,) in con.execute("SELECT name FROM sqlite_master")}
+
+
 def test_dataset_is_generated_aside(tmp_path):
     root = tmp_path / "data"
     os.makedirs(f"{root}.partial-999999999")  # a killed generator's leftovers (no such pid)
