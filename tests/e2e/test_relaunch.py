@@ -96,7 +96,9 @@ def test_a_half_made_store_is_moved_aside_with_its_write_ahead_log(tmp_path):
     with sqlite3.connect(db) as con:
         assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         assert [r for (r,) in con.execute("SELECT run_uuid FROM runs")] == [run_id]
-    (aside,) = [p for p in tmp_path.iterdir() if ".broken-" in p.name and not p.name.endswith(("-wal", "-shm"))]
+    (aside,) = [
+        p for p in tmp_path.iterdir() if ".broken-" in p.name and not p.name.endswith(("-wal", "-shm"))
+    ]
     assert (tmp_path / f"{aside.name}-wal").exists()
     with sqlite3.connect(aside) as con:  # the log travelled with it: its tables are still there
         assert {"experiments", "spans"} <= {n for (n,) in con.execute("SELECT name FROM sqlite_master")}

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import end_gloo_rank
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.checkpoint import AppState
@@ -281,7 +282,7 @@ def _fsdp_compiled_rank(rank: int, port: int, out: str) -> None:
     got["graph_breaks"] = sum(counters["graph_break"].values())
     if rank == 0:
         torch.save(got, os.path.join(out, "rank0.pt"))
-    dist.destroy_process_group()
+    end_gloo_rank()
 
 
 @pytest.mark.slow

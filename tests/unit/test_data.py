@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import plain_write
+from helpers import end_gloo_rank, plain_write
 from midwrite import kill_inside_the_write
 
 from goodput.data.dataset import BadSampleError, DataRootError
@@ -635,7 +635,7 @@ def _order_rank(rank: int, port: int, root: str, cache: str, skip_on: int, out: 
     images(ld, STEPS - 1)
     Path(out, f"chain{rank}").write_text(ld.chain.hexdigest)
     ld.close()
-    dist.destroy_process_group()
+    end_gloo_rank()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers import end_gloo_rank
 from torch import nn
 
 from goodput.data.config import DataConfig
@@ -98,7 +99,7 @@ def _rank(rank: int, world: int, root: str, port: int, out: str) -> None:
     if rank == 0:
         torch.save({"confusion": ev.confusion, "loss": ev.loss, "hits": ev.top_k_hits}, out)
     if world > 1:
-        torch.distributed.destroy_process_group()
+        end_gloo_rank()
 
 
 def _run(world: int, root: str, out: str) -> dict:

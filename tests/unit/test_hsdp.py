@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import check_config_change, compose_train
+from helpers import check_config_change, compose_train, end_gloo_rank
 
 from goodput.model import SmallCNN, model_sha256
 from goodput.parallel import DDP, FSDP, HSDP, Single
@@ -139,7 +139,6 @@ def _mine(x: torch.Tensor, rank: int) -> torch.Tensor:
 def _step_rank(rank: int, port: int, out: str) -> None:
     """One of 4 ranks: (a) fp32, 2 micro-batches, clipping, EMA, 2 steps; (b) fp16 with an inf
     planted in rank 3's gradient shard only; (c) bf16 parameters, clipped."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -205,7 +204,7 @@ def _step_rank(rank: int, port: int, out: str) -> None:
         res[f"norm_{size}"] = step.last_grad_norm
     res["notes"] = notes
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_gloo_rank()
 
 
 def _unsharded_reference(steps: int):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import check_config_change, compose_train, manager
+from helpers import check_config_change, compose_train, end_gloo_rank, manager
 
 from goodput.checkpoint import BACKENDS, AppState
 from goodput.checkpoint.state import decode, encode
@@ -320,7 +320,7 @@ def _fsdp_rank(rank: int, port: int, out: str) -> None:
     dcp.save({"ema": get_model_state_dict(ema)}, checkpoint_id=out)  # sharded, as the DCP backends save it
     if rank == 0:
         torch.save({"norm": norm, "shard_norm": shard_norm, "ema": full}, os.path.join(out, "rank0.pt"))
-    dist.destroy_process_group()
+    end_gloo_rank()
 
 
 @pytest.mark.slow
