@@ -387,6 +387,10 @@ def validate(c: dict) -> Config:
         problem = key_file_problem(tr["compile_cache_key_file"], c["checkpoint"]["dir"])
         errors += [problem] if problem else []
 
+    seed = c["seed"]  # any integer torch.manual_seed takes; the streams mix it by hashing
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        errors.append(f"seed must be an integer, got {seed!r}")
+
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     for w in idle_settings(nodes["trainer"]):  # (eval_top_k against the classes: once they are listed)

@@ -223,8 +223,18 @@ def test_checks_that_need_only_the_config_fail_at_validate_naming_the_key():
         ({"checkpoint": {"keep_best_by": "val/top5"}, **three, "data": {"root": "/my/data"}},
          None),  # not the demo data: its classes are counted once it is listed
         ({"optim": {"optimizer": {**sgd, "lr": 0.0}}}, None),
+        ({"optim": {"schedule": {**c["optim"]["schedule"], "warmup_steps": -5}}},
+         "optim.schedule.warmup_steps=-5: warmup_steps must be an integer >= 0, got -5"),
+        ({"optim": {"schedule": {**c["optim"]["schedule"], "min_lr_ratio": 1.5}}},
+         "optim.schedule.min_lr_ratio=1.5: min_lr_ratio must be a number in [0, 1], got 1.5"),
+        ({"optim": {"schedule": {**c["optim"]["schedule"], "warmup_steps": 0}}}, None),
     ]:  # fmt: skip
         check_config_change(c, change, message)
+    for seed in ("abc", 1.5, True, 2**64):
+        with pytest.raises(ConfigError, match=re.escape(f"seed must be an integer, got {seed!r}")):
+            validate({**c, "seed": seed})
+    for seed in (0, -1, 2**63):
+        validate({**c, "seed": seed})
 
 
 def test_settings_that_do_nothing_warn_at_validate(caplog):

@@ -7,8 +7,19 @@ import math
 import torch
 
 
-def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Linear warm-up, then cosine decay to lr x min_lr_ratio at total_steps."""
+def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 20, min_lr_ratio: float = 0.05):
+    """Linear warm-up, then cosine decay to lr x min_lr_ratio at total_steps. A value that makes no
+    schedule is a ValueError (goodput.config.optim_errors names the key before any work). The
+    defaults are ScheduleConfig's: they let that check find which key was refused."""
+    for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    if (
+        isinstance(min_lr_ratio, bool)
+        or not isinstance(min_lr_ratio, int | float)
+        or not 0 <= min_lr_ratio <= 1
+    ):
+        raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(warmup_steps, total_steps, min_lr_ratio))
 
 
