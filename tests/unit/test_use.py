@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -510,6 +511,22 @@ def test_several_run_dirs_named_like_a_missing_path_are_refused_newest_first(tmp
         f"{tmp_path}/demo: no such directory, and 3 runs are named demo-<digest> (newest first): "
         f"{tmp_path}/demo-bbbbbbbb, {tmp_path}/demo-cccccccc, {tmp_path}/demo-aaaaaaaa; name one"
     )
+
+
+def test_runs_are_listed_by_their_newest_commit_not_by_who_touched_their_dir_last(tmp_path):
+    """A relaunch of a complete run ("nothing to do") takes and drops its lock in the run dir: the
+    older run was listed first in the newcomer walk, above the one just trained."""
+    from goodput.checkpoint.export import run_dir
+
+    for i, name in enumerate(["demo-aaaaaaaa", "demo-bbbbbbbb"]):  # bbbbbbbb trained last
+        commit = tmp_path / name / "step-000000004" / "COMMIT.json"
+        commit.parent.mkdir(parents=True)
+        commit.write_text("{}")
+        os.utime(commit, (1e9 + i, 1e9 + i))
+    os.utime(tmp_path / "demo-aaaaaaaa", (2e9, 2e9))  # aaaaaaaa relaunched since: its dir touched
+    (tmp_path / "demo-aaaaaaaa" / "step-000000002.rescue").mkdir()  # no commit: never counts
+    with pytest.raises(SourceError, match=re.escape(f"{tmp_path}/demo-bbbbbbbb, {tmp_path}/demo-aaaaaaaa;")):
+        run_dir(str(tmp_path / "demo"), say=pytest.fail)
 
 
 def test_the_scripts_refuse_several_run_dirs_in_one_line_exit_2(tmp_path, monkeypatch, with_test):

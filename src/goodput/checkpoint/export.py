@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from goodput.checkpoint.backends import SafeFileSystemReader
 from goodput.checkpoint.commits import Commits
-from goodput.checkpoint.layout import parse_step, step_dir
+from goodput.checkpoint.layout import COMMIT, local_commits, parse_step, step_dir
 from goodput.checkpoint.spec import FIELDS, ModelSpec
 from goodput.errors import UserError
 from goodput.logs import known_warning
@@ -149,12 +149,24 @@ def is_safetensors(source: str) -> bool:
 RUN_DIGEST = r"-[0-9a-f]{8}"  # a run name's tail: run.experiment + "-" + the identity digest
 
 
+def _trained_at(run: str, otherwise: float) -> float:
+    """When a run last committed a checkpoint (its newest COMMIT.json's mtime), else `otherwise`
+    (the dir's own mtime): a relaunch that only takes and drops the lock makes no run newer."""
+    times = []
+    for _, path in local_commits(run):
+        try:
+            times.append(os.stat(os.path.join(path, COMMIT)).st_mtime)
+        except OSError:
+            pass  # gone since the listing
+    return max(times, default=otherwise)
+
+
 def run_dir(source: str, say: Callable[[str], None] = log.info) -> str:
     """`source`, or the one run dir it is short for: a local path that does not exist, with exactly
     one sibling directory named `<its name>-<8 lowercase hex>` (a run name: the experiment plus its
     identity digest), names that directory (`say` tells which). Several such siblings: SourceError
-    listing them, newest first. Anything else (a path that exists, a URL, a safetensors file, no
-    such sibling, a sibling that is a file or a link) is returned as is."""
+    listing them, newest first by their newest commit. Anything else (a path that exists, a URL, a
+    safetensors file, no such sibling, a sibling that is a file or a link) is returned as is."""
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/", source) or is_safetensors(source) or os.path.lexists(source):
         return source
     parent, name = os.path.split(source.rstrip("/"))
@@ -164,7 +176,7 @@ def run_dir(source: str, say: Callable[[str], None] = log.info) -> str:
     try:
         with os.scandir(parent or ".") as entries:
             found = [
-                (e.stat(follow_symlinks=False).st_mtime, os.path.join(parent, e.name))
+                (_trained_at(e.path, e.stat(follow_symlinks=False).st_mtime), os.path.join(parent, e.name))
                 for e in entries
                 if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
             ]
