@@ -372,6 +372,21 @@ def end_run(uri: str, run_id: str | None, error: BaseException | str, status: st
         log.warning("could not end MLflow run %s as %s (%s)", run_id, status, e)
 
 
+def run_status(uri: str, run_id: str | None) -> str | None:
+    """The status of MLflow run `run_id` (FINISHED, KILLED, FAILED, RUNNING), or None when there is
+    no such run or the store does not answer. Never raises."""
+    from mlflow.tracking import MlflowClient
+
+    if run_id is None:
+        return None
+    try:
+        ensure_store(uri)
+        return _retry(MlflowClient(uri).get_run, run_id).info.status
+    except Exception as e:
+        log.warning("could not read the status of MLflow run %s (%s)", run_id, e)
+        return None
+
+
 def close_leftovers(uri: str, experiment: str, checkpoint_dir: str) -> list[str]:
     """Runs of `checkpoint_dir` (their CHECKPOINT_TAG) still RUNNING: each was left so by a job that
     died without ending it (a SIGKILL, a lost node), so it is set KILLED with an `error` tag saying

@@ -17,6 +17,7 @@ from helpers import run_train, start_train, train_cmd
 from mlflow.tracking import MlflowClient
 
 from goodput.checkpoint.layout import local_commits
+from goodput.tracking import LEFT_TAG
 
 pytestmark = pytest.mark.slow
 
@@ -204,10 +205,10 @@ def test_submitit_usr2_commits_then_submitit_requeues(tmp_path, smoke_reference)
 NOTICE_AT = """
 import os, runpy, signal, sys
 from goodput.run import worker
-where = sys.argv.pop(1)
+where, sig = sys.argv.pop(1), getattr(signal, sys.argv.pop(1))
 real = getattr(worker, where)
 def noticed(*a, **k):
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), sig)
     return real(*a, **k)
 setattr(worker, where, noticed)
 sys.argv = sys.argv[1:]
@@ -219,7 +220,7 @@ def test_a_notice_during_the_start_up_ends_the_run_killed_before_its_first_step(
     """Before the loop, SIGTERM killed the process: the MLflow run stayed RUNNING until a relaunch."""
     from helpers import REPO, entry_env
 
-    cmd = [sys.executable, "-c", NOTICE_AT, "resume", *train_cmd(tmp_path)[1:]]
+    cmd = [sys.executable, "-c", NOTICE_AT, "resume", "SIGTERM", *train_cmd(tmp_path)[1:]]
     p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -236,7 +237,7 @@ def test_a_notice_after_the_last_step_does_not_cut_the_end_of_the_run_short(tmp_
     from helpers import REPO, entry_env
 
     entry = train_cmd(tmp_path, "mlflow.log_model=final")[1:]
-    cmd = [sys.executable, "-c", NOTICE_AT, "write_summary", *entry]
+    cmd = [sys.executable, "-c", NOTICE_AT, "write_summary", "SIGTERM", *entry]
     p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -245,6 +246,32 @@ def test_a_notice_after_the_last_step_does_not_cut_the_end_of_the_run_short(tmp_
     assert summary["finished"] and summary["steps"] == 12 and summary["mlflow_model_uri"]
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
+
+
+def test_a_run_killed_while_writing_its_end_gets_it_at_the_relaunch(tmp_path):
+    """A SIGKILL (or a second signal) after the final commit, while the run's end was written: the
+    run was complete, so every relaunch said "nothing to do", and it stayed without its summary's
+    evaluation, its logged model and a FINISHED status. The relaunch writes that end, no step run."""
+    from helpers import REPO, entry_env
+
+    cmd = [sys.executable, "-c", NOTICE_AT, "write_summary", "SIGKILL", *train_cmd(tmp_path)[1:]]
+    p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, (p.stdout + p.stderr)[-4000:]
+    assert not list(tmp_path.glob("**/summary.json"))
+    (ckpt,) = tmp_path.glob("checkpoints/*")
+    commits = local_commits(ckpt)
+    assert commits[-1][0] == 12
+    p, s = run_train(tmp_path, "mlflow.log_model=final")
+    out = p.stdout + p.stderr
+    assert "reached step 12, but its end was not written" in out and "nothing to do" not in out
+    assert s["finished"] and s["steps"] == 12 and s["resumed_from_steps"] == [12]
+    assert s["val_accuracy"] is not None and s["mlflow_model_uri"]
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(s["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["model.checkpoint_step"] == "12"
+    assert run.data.tags[LEFT_TAG] == "1"  # the same MLflow run, closed once by the relaunch
+    assert local_commits(ckpt) == commits  # no new save
+    p, _ = run_train(tmp_path)  # written now: complete
+    assert "is complete: it reached step 12" in p.stdout + p.stderr
 
 
 STOP_SCRIPT = """

@@ -187,10 +187,14 @@ class Store:
             lock.release()
         return c, ctx
 
-    def commit(self, c, ctx, step: int) -> None:
+    def commit(self, c, ctx, step: int, end: bool = True) -> None:
+        """A commit of `step`; the last step's, with `end`, followed by the run's end (FINISHED), as
+        the worker writes it."""
         mgr = build.checkpoint_manager(c, ctx, self.dist)
         mgr.save(step, make_app(step)[0])
         mgr.wait()
+        if end and step >= c.trainer.max_steps:
+            self.client.set_terminated(ctx.mlflow_run_id, "FINISHED")
 
     def runs(self) -> list:
         exp = self.client.get_experiment_by_name("goodput")
@@ -329,12 +333,17 @@ def test_a_relaunch_closes_the_runs_a_killed_job_left_running_and_no_other(store
         and "error" not in get(other.mlflow_run_id).data.tags
     )
     assert get(relaunched.mlflow_run_id).info.status == "RUNNING"
-    # killed after its last commit: the relaunch says complete, and closes the run all the same
-    c, finished = store.prepare("seed=2")
-    store.commit(c, finished, 12)
+    # killed after its last commit, before its end was written: the relaunch closes the run, then
+    # continues it to write that end (the workers run no step); once FINISHED, it is complete
+    c, ended = store.prepare("seed=2")
+    store.commit(c, ended, 12, end=False)
+    _, again = store.prepare("seed=2")
+    assert again.mlflow_run_id == ended.mlflow_run_id and get(again.mlflow_run_id).info.status == "RUNNING"
+    assert get(ended.mlflow_run_id).data.tags["goodput.left_running"] == "1"
+    store.client.set_terminated(again.mlflow_run_id, "FINISHED")
     with pytest.raises(job.AlreadyDone):
         store.prepare("seed=2")
-    assert get(finished.mlflow_run_id).info.status == "KILLED"
+    assert get(ended.mlflow_run_id).info.status == "FINISHED"
 
 
 def test_a_run_whose_lock_a_live_job_holds_is_left_alone(store):

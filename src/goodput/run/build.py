@@ -194,6 +194,7 @@ class Trainer:
         self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
         self.evaluate_first = False  # set by the worker when a rescue says its step's evaluation is due
         self.resumed_rescue = False  # set by the worker when the restored commit is a rescue
+        self.ends_only = False  # set by the worker when the restored commit is a complete run's end
         self.stop = None  # the loop's StopSignal: installed until the end of the run is written
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,

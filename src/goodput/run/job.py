@@ -36,6 +36,7 @@ from goodput.tracking import (
     end_run,
     flatten,
     log_json,
+    run_status,
     source_tags,
     start_run,
 )
@@ -148,6 +149,11 @@ def _prepare_run(
     # A rescue of the last step (its final evaluation or save failed) is not the end: the workers
     # finish it (the evaluation, the final regular commit, the summary), as after an elastic restart.
     unfinished = newest is not None and newest.get("kind") == "rescue"
+    complete = newest is not None and (
+        newest["step"] >= c.trainer.max_steps or bool(newest.get("stop_reason"))
+    )
+    if complete and not unfinished:  # its end (evaluation, summary, model, FINISHED) cut short by a kill?
+        unfinished = _end_not_written(c, newest)
     if newest is not None and newest["step"] >= c.trainer.max_steps and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it reached step {newest['step']} "
@@ -180,6 +186,26 @@ def _prepare_run(
     )
     log_json(m.tracking_uri, run_id, ctx.identity, "identity.json", m.artifact_timeout_s)  # the digest's keys
     return replace(ctx, mlflow_run_id=run_id)
+
+
+def _end_not_written(c: Config, newest: dict) -> bool:
+    """A complete run whose MLflow run did not end FINISHED: the job was killed while it wrote the
+    run's end (a SIGKILL, a second signal), after the final commit. The relaunch writes it: no
+    step, no save; the final evaluation again, the summary, the logged model. Every node decides
+    alike: the leader has set a run left RUNNING to KILLED, and either is not FINISHED. A run this
+    launch would not continue (another run.name's), or a store that does not answer: complete."""
+    run_id = newest.get("mlflow_run_id")
+    if run_id is None or newest.get("run") not in (None, c.run.name):
+        return False
+    status = run_status(c.mlflow.tracking_uri, run_id)
+    if status in (None, "FINISHED"):
+        return False
+    log.warning(
+        "run '%s' reached step %d, but its end was not written (MLflow run %s is %s: killed while "
+        "ending?): writing it now (the final evaluation, the summary, the logged model)",
+        c.run.name, newest["step"], run_id, status,
+    )  # fmt: skip
+    return True
 
 
 def _continued_record(c: Config, view, committed: list) -> dict | None:

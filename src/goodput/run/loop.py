@@ -42,27 +42,30 @@ def train(t) -> dict:
     top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
 
-    def after(step: int, evaluating: bool, counted: bool = False) -> bool:
-        """What follows a step: its evaluation, the stop agreement, the save. True: stop here.
-        `counted`: the evaluation of this step was counted already (best, early stopping) by the
-        attempt that wrote the restored rescue: it runs again for the summary only."""
+    def evaluation(step: int, counted: bool) -> None:
+        """The evaluation after `step`. `counted`: it was counted already (best, early stopping) by
+        the attempt that wrote the restored checkpoint: it runs again for the summary only."""
         nonlocal last_eval, val_acc, early
+        te = time.perf_counter()
+        # a phase with its own bound; the process's first evaluation compiles (inference graphs)
+        with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
+            last_eval = evaluate(
+                t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
+            )
+            compiling = t.compile_clock.take()  # a compiled model compiles again for inference
+        t.goodput.add("compile", compiling)
+        t.goodput.add("eval", time.perf_counter() - te - compiling)
+        val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
+        t.tracker.log(metrics, step)
+        progress.evaluated(step, metrics)
+        if not counted:
+            t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
+            early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
+
+    def after(step: int, evaluating: bool, counted: bool = False) -> bool:
+        """What follows a step: its evaluation, the stop agreement, the save. True: stop here."""
         if evaluating:
-            te = time.perf_counter()
-            # a phase with its own bound; the process's first evaluation compiles (inference graphs)
-            with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
-                last_eval = evaluate(
-                    t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
-                )
-                compiling = t.compile_clock.take()  # a compiled model compiles again for inference
-            t.goodput.add("compile", compiling)
-            t.goodput.add("eval", time.perf_counter() - te - compiling)
-            val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
-            t.tracker.log(metrics, step)
-            progress.evaluated(step, metrics)
-            if not counted:
-                t.ckpt.observe(metrics, step)  # checkpoint.keep_best_by
-                early = t.early_stopping.update(metrics, step)  # the same on every rank: metrics are reduced
+            evaluation(step, counted)
             t.rescue.boundary(step, evaluated=True, stop_reason="early_stopping" if early else None)
 
         stopping = stop.agreed(d.world)
@@ -87,6 +90,10 @@ def train(t) -> dict:
     final = t.resumed_rescue and (step >= max_steps or t.early_stopping.stopped_at == step)
     early = final and t.early_stopping.stopped_at == step
     done = (t.evaluate_first or final) and after(step, evaluating=True, counted=not t.evaluate_first)
+    if t.ends_only:  # the final commit restored: the run's end again, with its evaluation; no save
+        log.info("step %d is the run's final commit: writing the end of the run", step)
+        evaluation(step, counted=True)
+        done = True
     if not done and stop.agreed(d.world):  # a notice during the start-up: no step, nothing new to save
         log.warning("received %s during the start-up: stopping before step %d", stop.received, step + 1)
         done = True

@@ -79,6 +79,10 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         t.stop = stop.rescuing(t.rescue.request)  # a rank stuck past the grace rescues the last step first
         t.evaluate_first = bool(rec and rec.get("evaluate_first"))  # a rescue before its step's evaluation
         t.resumed_rescue = bool(rec and rec.get("kind") == "rescue")
+        # the final regular commit (or early stopping's): the job let it through because the run's
+        # end was never written (goodput.run.job), or an elastic restart came after it
+        complete = bool(rec) and (rec["step"] >= c.trainer.max_steps or bool(rec.get("stop_reason")))
+        t.ends_only = complete and not t.resumed_rescue
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         result = loop.train(t)
