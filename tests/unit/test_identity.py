@@ -438,3 +438,23 @@ def test_closing_leftovers_never_opens_a_half_made_store(tmp_path):
         )
     assert close_leftovers(f"sqlite:///{db}", "goodput", str(tmp_path / "checkpoints" / "r")) == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.broken-")]
+
+
+def test_a_complete_run_whose_store_does_not_answer_counts_as_ended(tmp_path, caplog):
+    """The relaunch writes the run's end only when the store says it was not written: a store it
+    cannot read (here a path it cannot create) leaves the run complete ("nothing to do")."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(mlflow=SimpleNamespace(tracking_uri="sqlite:////proc/no/mlflow.db"),
+                        run=SimpleNamespace(name="smoke-1a2b3c4d"))  # fmt: skip
+    newest = {"step": 12, "mlflow_run_id": "a" * 32, "run": "smoke-1a2b3c4d"}
+    with caplog.at_level(logging.WARNING):
+        assert job._end_not_written(c, newest) is False
+    assert f"could not read the status of MLflow run {'a' * 32}" in caplog.text
+    good = f"sqlite:///{tmp_path}/mlflow.db"
+    from goodput.tracking import start_run
+
+    run_id = start_run(good, "exp", "smoke-1a2b3c4d", {}, None, str(tmp_path / "art"))
+    c.mlflow.tracking_uri = good
+    assert job._end_not_written(c, {**newest, "mlflow_run_id": run_id}) is True  # RUNNING: not ended
+    assert job._end_not_written(c, {**newest, "mlflow_run_id": run_id, "run": "other-1a2b3c4d"}) is False
