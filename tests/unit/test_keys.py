@@ -446,11 +446,13 @@ SWITCHES = {
 # that the list stays true: the modules, and why each needs it.
 PHASES = {
     # "already done?" before any worker (job, on a relaunch), whether a stop was the end anyway, to
-    # requeue (launch), the loader's length (build), the loop's end (loop).
+    # requeue (launch), the loader's length (build), whether the restored commit was the final one
+    # so that only the run's end is left to write (worker), the loop's end (loop).
     ("trainer", "max_steps"): {
         "goodput.run.job",
         "goodput.run.launch",
         "goodput.run.build",
+        "goodput.run.worker",
         "goodput.run.loop",
     },
     # the MLflow run's name (job) and the commit record's `run` field (build).
