@@ -8,14 +8,17 @@ builders) takes the key silently, and mobilenet_v3_small ignores it. So before a
 target does not take by name is refused, naming it, the target and the option-file way, when the
 target cannot take it at all, or when the target was swapped on the command line and the key was
 not set there (it came with the old option: a **kwargs would swallow it). A key the command line
-set itself for a **kwargs target is the user's call (docs/config.md, "Swapping a target")."""
+set itself for a **kwargs target is the user's call (docs/config.md, "Swapping a target").
+
+A target that cannot be found (`model._target_=torchvision.models.resnt18`) or is not callable is
+refused here too: before the demo data, the run lock and the MLflow run, not in the workers."""
 
 from __future__ import annotations
 
 import inspect
+import pydoc
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from goodput.config import ConfigError
@@ -43,9 +46,13 @@ def check(cfg: DictConfig, overrides: list[str], choices: dict) -> None:
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
         target = node["_target_"]
+        missing = unusable(path, target)
+        if missing:
+            problems.append(missing)
+            continue
         taken, var_kw = parameters(target)
         if taken is None:
-            continue  # not introspectable (or not found: instantiate then names it)
+            continue  # no signature to read (a builtin): instantiate names a bad key
         swapped = f"{path}._target_" in on_cli
         # a **kwargs target may be meant to take a key the command line set, or one its option had
         suspect = [k for k in node if not (var_kw and (f"{path}.{k}" in on_cli or not swapped))]
@@ -82,11 +89,28 @@ def set_by(overrides: list[str]) -> set[str]:
     return out
 
 
+def unusable(path: str, target) -> str | None:
+    """Why `path._target_=target` cannot be built, or None. pydoc.locate, not hydra's get_object:
+    a miss is None (get_object logs an ERROR line of its own first)."""
+    try:
+        obj = pydoc.locate(str(target))
+    except pydoc.ErrorDuringImport as e:  # the module is there, and raised while importing
+        return f"{path}._target_={target}: importing it failed: {type(e.value).__name__}: {e.value}"
+    if obj is None:
+        return (
+            f"{path}._target_={target}: no such object (a typo? its module must be importable "
+            "here: installed, or on PYTHONPATH)"
+        )
+    if not callable(obj):
+        return f"{path}._target_={target} is a {type(obj).__name__}, not a class or function"
+    return None
+
+
 def parameters(target: str) -> tuple[set[str] | None, bool]:
     """(the names `target` takes as keywords, whether it takes **kwargs); (None, False) when it
-    cannot be found or has no signature."""
+    has no signature."""
     try:
-        params = inspect.signature(get_object(target)).parameters.values()
+        params = inspect.signature(pydoc.locate(target)).parameters.values()
     except (ImportError, AttributeError, ValueError, TypeError):
         return None, False
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -136,10 +136,18 @@ def test_a_data_error_is_one_line_exit_2(case, dataset, tmp_path):
     assert all(LINE.match(x) for x in text.splitlines() if x.strip()), text[-4000:]
 
 
-def test_a_swapped_target_with_the_old_keys_fails_before_any_work(tmp_path):
-    rc, text = redirected(tmp_path / "run", "model._target_=torchvision.models.mobilenet_v3_small")
+@pytest.mark.parametrize(
+    "target, said",
+    [
+        ("torchvision.models.mobilenet_v3_small",
+         ["model.width (from conf/model/small_cnn.yaml) would be passed to torchvision.models",
+          "selected with model=<name>", "~model.width"]),
+        ("torchvision.models.resnt18", ["model._target_=torchvision.models.resnt18: no such object"]),
+    ],
+)  # fmt: skip
+def test_a_swapped_or_misspelt_target_fails_before_any_work(tmp_path, target, said):
+    rc, text = redirected(tmp_path / "run", f"model._target_={target}")
     lines = [line for line in text.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1, text
-    assert "model.width (from conf/model/small_cnn.yaml) would be passed to torchvision.models" in lines[0]
-    assert "selected with model=<name>" in lines[0] and "~model.width" in lines[0]
+    assert all(part in lines[0] for part in said), lines[0]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["job.log", "runs"]  # no data, store, run

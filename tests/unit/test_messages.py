@@ -250,3 +250,32 @@ def test_a_schedule_swapped_from_the_command_line_builds(overrides):
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     sched = instantiate(c.optim.schedule)(opt)
     assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.step_size == 3
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("model._target_=torchvision.models.resnt18",
+         "model._target_=torchvision.models.resnt18: no such object"),
+        ("model._target_=nosuchpackage.Net", "model._target_=nosuchpackage.Net: no such object"),
+        ("model._target_=torchvision.models", "model._target_=torchvision.models is a module"),
+        ("optim.optimizer._target_=torch.optim.Sgd", "optim.optimizer._target_=torch.optim.Sgd: no such"),
+        ("optim.schedule._target_=torch.optim.lr_scheduler.Cosine",
+         "optim.schedule._target_=torch.optim.lr_scheduler.Cosine: no such object"),
+    ],
+)  # fmt: skip
+def test_a_target_that_is_not_there_is_refused_before_any_work(override, said, caplog):
+    """A typo in a `_target_` is one line naming the key, not a traceback from the workers after the
+    demo data, the run lock and an MLflow run; and no ERROR line of hydra's before it."""
+    with pytest.raises(ConfigError) as e:
+        _check(override)
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_target_whose_module_raises_on_import_names_the_error(tmp_path, monkeypatch):
+    (tmp_path / "brokenmodels.py").write_text("import math\nraise RuntimeError('CUDA extension not built')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"model._target_=brokenmodels.Net: importing it failed: "
+                       r"RuntimeError: CUDA extension not built"):  # fmt: skip
+        _check("model._target_=brokenmodels.Net", "~model.width")
