@@ -53,9 +53,10 @@ class PathsConfig:
 
     data_dir: str = (
         "${paths.root}/remote/data/"
-        "shapes-c${demo_data.num_classes}-n${demo_data.train_per_class}-s${demo_data.image_size}"
+        "shapes-c${demo_data.num_classes}-n${demo_data.train_per_class}-v${demo_data.val_per_class}"
+        "-s${demo_data.image_size}-g${demo_data.seed}"
     )
-    """The demo "remote" dataset, named by what generated it (created on first use)."""
+    """The demo "remote" dataset, named by every key that generated it (created on first use)."""
 
     cache_dir: str = "${paths.root}/cache"
     """Node-local cache of remote files: the fastest local disk."""

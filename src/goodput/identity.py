@@ -44,8 +44,8 @@ TABLE: list[tuple[str, bool, str]] = [
     (
         "paths.data_dir",
         False,
-        "where the demo data lives (its contents: demo_data.*); a folder holding other files is refused,"
-        " never generated into (your data: `data.root`)",
+        "where the demo data lives (its contents: demo_data.*); a folder holding other files, or demo"
+        " data of other settings, is refused, never generated into (your data: `data.root`)",
     ),
     ("paths.cache_dir", False, "a node-local cache"),
     ("paths.checkpoint_dir", False, "where checkpoints live"),

@@ -158,6 +158,60 @@ def test_demo_data_is_never_generated_into_a_folder_of_other_files(tmp_path):
     assert read_record(str(tmp_path / "empty")) is not None
 
 
+@pytest.mark.parametrize(
+    "made, off",
+    [
+        (dict(num_classes=5), "num_classes 5 (demo_data.* make 4)"),  # make_dataset.py's, elsewhere
+        (dict(val_per_class=3), "val 12 (demo_data.* make 8)"),
+        (dict(seed=7), "seed 7 (demo_data.* make 0)"),
+    ],
+)
+def test_demo_data_of_other_settings_in_paths_data_dir_is_refused(tmp_path, made, off):
+    """paths.data_dir pointed at demo data that demo_data.* do not generate: the run's name (which
+    counts data.root as `${paths.data_dir}`, the demo data of demo_data.*) would continue an old run
+    on other data; with other classes its checkpoints failed to load and it started over from step 0.
+    Refused before any work, the data untouched; data that matches is used as it is."""
+    from helpers import compose_train
+    from omegaconf import OmegaConf
+
+    from goodput.config import validate
+    from goodput.run.job import DataDirTaken, ensure_data
+
+    settings = ["demo_data.num_classes=4", "demo_data.train_per_class=3", "demo_data.val_per_class=2",
+                "demo_data.image_size=16", "demo_data.seed=0"]  # fmt: skip
+    theirs = tmp_path / "theirs"
+    make_dataset(str(theirs), **{**dict(num_classes=4, train_per_class=3, val_per_class=2,
+                                        image_size=16, seed=0), **made})  # fmt: skip
+    before = {p: p.stat().st_mtime_ns for p in theirs.rglob("*")}
+    cfg = compose_train([f"paths.root={tmp_path}", f"paths.data_dir={theirs}", "experiment=smoke", *settings])
+    c = validate(OmegaConf.to_container(cfg, resolve=True))
+    with pytest.raises(DataDirTaken) as e:
+        ensure_data(c)
+    said = str(e.value)
+    assert said.startswith(f"paths.data_dir {theirs} holds demo data other than") and off in said, said
+    assert f"pass data.root={theirs};" in said, said
+    assert {p: p.stat().st_mtime_ns for p in theirs.rglob("*")} == before
+    mine = tmp_path / "mine"
+    make_dataset(str(mine), num_classes=4, train_per_class=3, val_per_class=2, image_size=16, seed=0)
+    before = {p: p.stat().st_mtime_ns for p in mine.rglob("*")}
+    cfg = compose_train([f"paths.root={tmp_path}", f"paths.data_dir={mine}", "experiment=smoke", *settings])
+    ensure_data(validate(OmegaConf.to_container(cfg, resolve=True)))  # its own: used, not generated again
+    assert {p: p.stat().st_mtime_ns for p in mine.rglob("*")} == before
+
+
+def test_the_default_demo_folder_is_named_by_every_demo_data_key(tmp_path):
+    """Changing any demo_data key generates new data in a folder of its own (val_per_class and the
+    generator's seed were not in the name: the old data was used, or, now, refused)."""
+    from helpers import compose_train
+
+    dirs = {
+        compose_train([f"paths.root={tmp_path}", "experiment=smoke", *o]).paths.data_dir
+        for o in ([], ["demo_data.num_classes=4"], ["demo_data.train_per_class=3"],
+                  ["demo_data.val_per_class=3"], ["demo_data.image_size=24"], ["demo_data.seed=1"])
+    }  # fmt: skip
+    assert len(dirs) == 6, dirs
+
+
 # -- SIGKILL at random moments of a first start and of later runs -------------------------------
 # What an attempt logs as it goes, in order: the last one found says where a kill landed.
 STORE = "Creating initial MLflow database tables"

@@ -120,7 +120,7 @@ def test_a_mistyped_value_is_refused_at_compose():
 
 def test_one_default_per_setting():
     c = OmegaConf.to_container(compose_train(["data.image_size=64", "paths.root=/x"]), resolve=True)
-    assert c["demo_data"]["image_size"] == 64 and c["data"]["root"].endswith("-s64")  # one image size
+    assert c["demo_data"]["image_size"] == 64 and c["data"]["root"].endswith("-s64-g0")  # one image size
 
 
 # (group, the class node's key, the arguments the code passes itself)

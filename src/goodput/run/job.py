@@ -321,6 +321,28 @@ def ensure_data(c: Config) -> None:
     source.prepare(root, dc.dataset, lambda url: build.storage(c, url), lambda: _ensure_dataset(c, root))
 
 
+def _check_demo_record(c: Config, root: str) -> None:
+    """The demo data in paths.data_dir is what demo_data.* generate. The run's identity names the
+    demo data by those keys (data.root is `${paths.data_dir}` as written): other demo data there
+    (make_dataset.py's, other settings') would train, and continue, a run under a name that says
+    otherwise; a checkpoint of that run would not even fit its head."""
+    ds, rec = c.demo_data, read_record(root) or {}
+    want = {
+        "num_classes": ds.num_classes,
+        "train": ds.num_classes * ds.train_per_class,
+        "val": ds.num_classes * ds.val_per_class,
+        "image_size": ds.image_size,
+        "seed": ds.seed,
+    }
+    off = [f"{k} {rec.get(k)} (demo_data.* make {v})" for k, v in want.items() if rec.get(k) != v]
+    if off:
+        raise DataDirTaken(
+            f"paths.data_dir {root} holds demo data other than demo_data.* generate: {', '.join(off)} "
+            f"({COMPLETE}). To train on the data in it, pass data.root={root}; for the demo data, "
+            f"set demo_data.* to match it, or leave paths.data_dir to its default (named by demo_data.*)"
+        )
+
+
 def _ensure_dataset(c: Config, store) -> None:
     """The demo data generated where it is missing; the dataset class checks `store` (data.root)."""
     root = c.data.root
@@ -339,6 +361,8 @@ def _ensure_dataset(c: Config, store) -> None:
         log.info("demo data not found: generating it at %s", root)
         n = make_dataset(root, ds.num_classes, ds.train_per_class, ds.val_per_class, ds.image_size, ds.seed)
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
+    elif root == c.paths.data_dir:
+        _check_demo_record(c, root)
     node = c.data.dataset  # the dataset class checks its root (cheaply) before any worker starts
     options = {k: v for k, v in node.items() if k != "_target_"}
     get_class(node["_target_"]).check_root(store, **options)
