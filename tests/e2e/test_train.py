@@ -139,6 +139,27 @@ def test_changed_dataset_stops_the_resume_with_a_clear_error(tmp_path):
     assert s["steps"] == 4  # the newest summary is still the first run's: nothing trained
 
 
+def test_a_class_added_to_the_data_stops_the_resume_instead_of_starting_over(tmp_path):
+    """Own data that gained a class keeps the run's name (data.root is the same path): its head no
+    longer fit, every commit failed DCP's plan alike, the commits were moved aside and the run
+    trained from step 0 under its old name. Now every rank stops with both class lists, exit 2."""
+    from goodput.data.synthetic import make_dataset
+
+    data = tmp_path / "mine"
+    make_dataset(str(data), num_classes=3, train_per_class=8, val_per_class=2, image_size=16)
+    run_train(tmp_path, f"data.root={data}", "trainer.max_steps=4")
+    before = sorted(os.listdir(ckpt_dir(tmp_path)))
+    for split in ("train", "val"):
+        shutil.copytree(data / split / "disc", data / split / "zebra")
+    p, s = run_train(tmp_path, f"data.root={data}", "trainer.max_steps=8", expect_rc=2)
+    out = p.stdout + p.stderr
+    assert "cannot continue this run: its model was trained on the classes 3 (disc, square, triangle), " \
+        "the data has 4 (disc, square, triangle, zebra)" in out, out[-3000:]  # fmt: skip
+    assert "starting from scratch" not in out and "Traceback" not in out, out[-3000:]
+    assert sorted(os.listdir(ckpt_dir(tmp_path))) == before  # nothing moved aside, nothing written
+    assert s["steps"] == 4
+
+
 # Through the entry point: exit 2, one line, nothing made. The other refusals of validate() go the
 # same way; unit/test_config.py checks their messages from the same overrides in-process.
 @pytest.mark.parametrize(

@@ -374,3 +374,34 @@ def test_the_planner_writes_the_buffers_from_the_lowest_rank_and_spreads_the_res
     keys = frozenset({shard.index.fqn})
     kept = lowest_rank_keeps([plans[0], dataclasses.replace(plans[1], items=[shard])], keys)
     assert kept[1].items == [shard]
+
+
+@pytest.mark.parametrize(
+    "saved, stops",
+    [
+        ({"classes": ["cat", "dog"]}, False),  # the same classes
+        ({"classes": ["cat", "cow"]}, True),  # renamed: the same count would load, mislabelled
+        ({"classes": ["cat"]}, True),
+        (None, False),  # a commit written before model records: let through
+        ({"classes": "cat,dog"}, False),  # a crafted record is not trusted to stop a run either
+        ("junk", False),
+    ],
+)
+def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path, dist1, saved, stops):
+    from goodput.errors import IncompatibleCheckpoint
+
+    m = manager(tmp_path, "dcp_sync", dist1)
+    m.commit_info["model"] = {"classes": ["cat", "dog"]}
+    app = make_app(1)[0]
+    m.save(1, app)
+    m.wait()
+    [rec] = m.committed()
+    rec = {**rec, "model": saved}
+    if stops:
+        with pytest.raises(IncompatibleCheckpoint, match=r"its model was trained on the classes .*"
+                           r"the data has 2 \(cat, dog\)"):  # fmt: skip
+            m.restore(app, [rec])
+        assert [r["step"] for r in m.committed()] == [1]  # still committed: not moved aside
+    else:
+        assert m.restore(app, [rec])[0]["step"] == 1
+    m.close()

@@ -502,6 +502,11 @@ class CheckpointManager:
             skipped.append(f"{rec['dir']}: {err!r}" if err else f"{rec['dir']}: failed on another rank")
 
         for rec in candidates:
+            other = _other_classes(rec.get("model"), self.commit_info.get("model"))
+            if other:  # the same on every rank (the same record, the same data): all stop here
+                raise IncompatibleCheckpoint(
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {other}"
+                )
             err, local = None, None
             reader = READERS[rec["format"]]()
             try:
@@ -560,6 +565,27 @@ class CheckpointManager:
                 self.storage.mv(name, aside)
                 if self._existing is not None:
                     self._existing.discard(name)
+
+
+def _other_classes(saved, current) -> str | None:
+    """Why a commit's model record (untrusted: only a list of names is read) does not fit this run's
+    classes, or None. Another number of classes failed DCP's plan as a size mismatch, every commit
+    alike, and the run started over from step 0; the same number under other names would load and
+    train each head row on another label. A record without classes (older commits) is let through."""
+    old = saved.get("classes") if isinstance(saved, dict) else None
+    new = current.get("classes") if isinstance(current, dict) else None
+    if not isinstance(old, list) or not isinstance(new, list) or old == new:
+        return None
+
+    def listed(names):
+        shown = ", ".join(str(n) for n in names[:12])
+        return f"{len(names)} ({shown}{', ...' if len(names) > 12 else ''})"
+
+    return (
+        f"its model was trained on the classes {listed(old)}, the data has {listed(new)}: the dataset's "
+        f"classes changed since the checkpoint. Resuming would fit no head or mislabel it; restore the "
+        f"data, or train on it as a new run: another run.name"
+    )
 
 
 def _link_if_verified(path: str, dst: str, want: dict) -> str | None:
