@@ -92,10 +92,14 @@ def set_by(overrides: list[str]) -> set[str]:
 def unusable(path: str, target) -> str | None:
     """Why `path._target_=target` cannot be built, or None. pydoc.locate, not hydra's get_object:
     a miss is None (get_object logs an ERROR line of its own first)."""
+    if "." not in str(target):  # `dict`, `print`: pydoc finds builtins, hydra's instantiate does not
+        return f"{path}._target_={target}: not a dotted path (module.name)"
     try:
         obj = pydoc.locate(str(target))
-    except pydoc.ErrorDuringImport as e:  # the module is there, and raised while importing
-        return f"{path}._target_={target}: importing it failed: {type(e.value).__name__}: {e.value}"
+    except Exception as e:  # the module is there and raised while importing (or a lazy attribute did)
+        err = e.value if isinstance(e, pydoc.ErrorDuringImport) else e
+        why = " ".join(f"{type(err).__name__}: {err}".split())  # one line
+        return f"{path}._target_={target}: importing it failed: {why}"
     if obj is None:
         return (
             f"{path}._target_={target}: no such object (a typo? its module must be importable "

@@ -189,7 +189,9 @@ def test_demo_data_of_other_settings_in_paths_data_dir_is_refused(tmp_path, made
         ensure_data(c)
     said = str(e.value)
     assert said.startswith(f"paths.data_dir {theirs} holds demo data other than") and off in said, said
-    assert f"pass data.root={theirs};" in said, said
+    assert f"pass data.root={theirs} instead of paths.data_dir;" in said, said
+    cfg = compose_train([f"paths.root={tmp_path}", f"data.root={theirs}", "experiment=smoke", *settings])
+    ensure_data(validate(OmegaConf.to_container(cfg, resolve=True)))  # the advice, followed: its own data
     assert {p: p.stat().st_mtime_ns for p in theirs.rglob("*")} == before
     mine = tmp_path / "mine"
     make_dataset(str(mine), num_classes=4, train_per_class=3, val_per_class=2, image_size=16, seed=0)

@@ -405,3 +405,50 @@ def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path,
     else:
         assert m.restore(app, [rec])[0]["step"] == 1
     m.close()
+
+
+def _classes_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks restoring a commit whose classes only rank 1's data lacks."""
+    from helpers import end_gloo_rank
+
+    from goodput.errors import IncompatibleCheckpoint
+    from goodput.parallel import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    d = init_distributed(timeout_s=30)
+    remote = os.path.join(out, "remote")
+    node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS['dcp_sync'].__name__}"}
+    cfg = CheckpointConfig(node, remote, f"{out}/staging{rank}", None, None, 3)
+    m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, rank, pg=d.ckpt_pg)
+    m.commit_info["model"] = {"classes": ["cat", "dog"] + (["zebra"] if rank == 1 else [])}
+    rec = {
+        "dir": "step-000000001",
+        "step": 1,
+        "format": "dcp",
+        "world_size": 2,
+        "model": {"classes": ["cat", "dog"]},
+    }
+    try:
+        m.restore(make_app(1)[0], [rec])
+        said = "restored"
+    except IncompatibleCheckpoint as e:
+        said = f"refused: {e}"
+    except Exception as e:  # a collective one rank left: not the refusal
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(said)
+    end_gloo_rank()
+
+
+@pytest.mark.slow
+def test_classes_that_differ_on_one_rank_stop_every_rank_with_the_refusal(tmp_path):
+    """Each rank lists the data itself: when only rank 1's classes differ from the commit's, rank 0
+    must not go on into the load's collectives alone (a hang, or a peer's broken connection)."""
+    import torch.multiprocessing as mp
+
+    from goodput.parallel import free_port
+
+    mp.spawn(_classes_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    assert got[0].startswith("refused:") and "differ from the checkpoint's on another rank" in got[0], got
+    assert got[1].startswith("refused:") and "the data has 3 (cat, dog, zebra)" in got[1], got

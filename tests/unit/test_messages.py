@@ -259,6 +259,7 @@ def test_a_schedule_swapped_from_the_command_line_builds(overrides):
          "model._target_=torchvision.models.resnt18: no such object"),
         ("model._target_=nosuchpackage.Net", "model._target_=nosuchpackage.Net: no such object"),
         ("model._target_=torchvision.models", "model._target_=torchvision.models is a module"),
+        ("model._target_=dict", "model._target_=dict: not a dotted path"),  # a builtin: hydra cannot
         ("optim.optimizer._target_=torch.optim.Sgd", "optim.optimizer._target_=torch.optim.Sgd: no such"),
         ("optim.schedule._target_=torch.optim.lr_scheduler.Cosine",
          "optim.schedule._target_=torch.optim.lr_scheduler.Cosine: no such object"),
@@ -273,9 +274,19 @@ def test_a_target_that_is_not_there_is_refused_before_any_work(override, said, c
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-def test_a_target_whose_module_raises_on_import_names_the_error(tmp_path, monkeypatch):
-    (tmp_path / "brokenmodels.py").write_text("import math\nraise RuntimeError('CUDA extension not built')\n")
+@pytest.mark.parametrize(
+    "module, said",
+    [
+        ("import math\nraise RuntimeError('CUDA extension\\nnot built')\n",
+         "RuntimeError: CUDA extension not built"),  # a multi-line error: one line still
+        ("def __getattr__(name):\n    raise ImportError('lazy: needs the extras')\n",  # a lazy module
+         "ImportError: lazy: needs the extras"),
+    ],
+)  # fmt: skip
+def test_a_target_whose_module_raises_on_import_names_the_error(tmp_path, monkeypatch, module, said):
+    (tmp_path / "brokenmodels.py").write_text(module)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"model._target_=brokenmodels.Net: importing it failed: "
-                       r"RuntimeError: CUDA extension not built"):  # fmt: skip
+    monkeypatch.delitem(sys.modules, "brokenmodels", raising=False)
+    with pytest.raises(ConfigError) as e:
         _check("model._target_=brokenmodels.Net", "~model.width")
+    assert str(e.value) == f"model._target_=brokenmodels.Net: importing it failed: {said}", str(e.value)

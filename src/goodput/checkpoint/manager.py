@@ -503,9 +503,10 @@ class CheckpointManager:
 
         for rec in candidates:
             other = _other_classes(rec.get("model"), self.commit_info.get("model"))
-            if other:  # the same on every rank (the same record, the same data): all stop here
+            if self._any(bool(other)):  # decided together: each rank listed the data itself
+                why = other or "the data's classes differ from the checkpoint's on another rank"
                 raise IncompatibleCheckpoint(
-                    f"{self.storage.url(rec['dir'])} cannot continue this run: {other}"
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {why}"
                 )
             err, local = None, None
             reader = READERS[rec["format"]]()

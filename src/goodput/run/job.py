@@ -338,8 +338,9 @@ def _check_demo_record(c: Config, root: str) -> None:
     if off:
         raise DataDirTaken(
             f"paths.data_dir {root} holds demo data other than demo_data.* generate: {', '.join(off)} "
-            f"({COMPLETE}). To train on the data in it, pass data.root={root}; for the demo data, "
-            f"set demo_data.* to match it, or leave paths.data_dir to its default (named by demo_data.*)"
+            f"({COMPLETE}). To train on the data in it, pass data.root={root} instead of paths.data_dir; "
+            f"for the demo data, set demo_data.* to match it, or leave paths.data_dir to its default "
+            f"(named by demo_data.*)"
         )
 
 
@@ -352,8 +353,8 @@ def _ensure_dataset(c: Config, store) -> None:
             raise DataDirTaken(
                 f"paths.data_dir {root} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''} "
                 f"but no {COMPLETE}: it is not goodput's demo data, so the demo data is not generated "
-                f"there. To train on the data in it, pass data.root={root} (paths.data_dir is where "
-                f"the demo data goes); for the demo data, name an empty or new folder"
+                f"there. To train on the data in it, pass data.root={root} instead of paths.data_dir "
+                f"(it is where the demo data goes); for the demo data, name an empty or new folder"
             )
         if os.path.isdir(os.path.join(root, "train")):  # a killed generator's (its marker is there)
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
