@@ -15,7 +15,7 @@ JOBS    ?= 2
 XDIST   := -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-fast test-unit lint format mlflow-ui bench clean
+.PHONY: help venv train test test-fast test-unit check lint format docs mlflow-ui bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ test-fast: $(STAMP)  ## the suite without the slow multi-process drills
 
 test-unit: $(STAMP)  ## the in-process tests only (tests/unit, not slow): a few minutes
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" tests/unit $(ARGS)
+
+docs: $(STAMP)  ## regenerate the docs' generated sections (docs/config.md's identity table)
+	$(BIN)/python scripts/gen_docs.py
 
 format: $(STAMP)  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .

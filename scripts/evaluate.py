@@ -16,7 +16,8 @@ the data moved). It prints loss, accuracy, top-k and the per-class table, and lo
 `goodput.evaluates=<training run id>`, `goodput.checkpoint`, `goodput.checkpoint_step`,
 `goodput.weights`, `goodput.split`, `goodput.model_sha256`), in the run's own store (the mlflow.db of
 the paths.root the checkpoint dir is under) unless --tracking-uri or MLFLOW_TRACKING_URI says
-otherwise. A split the dataset lacks, a step that
+otherwise. The metrics are the task's (the run's `task`, from the record: for multilabel F1 and
+mAP). A split the dataset lacks, a step that
 is not committed, a directory without checkpoints: one line, exit 2.
 """
 
@@ -32,7 +33,7 @@ import tempfile
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import data_of, evaluation_loader, integer, load
-from goodput.run.evaluate import default_top_k, evaluate, write_report
+from goodput.run.evaluate import evaluate
 
 DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from the repository root
 
@@ -61,7 +62,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--split", default="val", choices=["val", "test"])
     p.add_argument("--data-root", help="the dataset (default: the run's data.root, from the commit record)")
-    p.add_argument("--top-k", type=integer(1), help="k of <split>/top<k> (default: 5 from 5 classes up)")
+    p.add_argument(
+        "--top-k", type=integer(1), help="k of <split>/top<k> (default: the run's; 5 from 5 classes up)"
+    )
     p.add_argument("--batch-size", type=integer(1), default=64)
     p.add_argument("--workers", type=integer(0), default=0, help="DataLoader processes (0 = this one)")
     p.add_argument("--device", default="cpu")
@@ -85,12 +88,14 @@ def run(a) -> int:
     m = load(a.checkpoint, a.weights, a.step, a.device, tuple(a.allow_target))
     root, dataset = data_of(m, a.data_root)
     loader = evaluation_loader(m, root, dataset, a.split, a.batch_size, a.workers)
-    n = m.spec.num_classes
-    ev = evaluate(m.model, loader, m.device, 1, n, a.top_k if a.top_k else default_top_k(None, n))
-    metrics = ev.metrics(m.spec.classes, a.split)
+    n, task = m.spec.num_classes, m.spec.build_task(tuple(a.allow_target))
+    if a.top_k and hasattr(task, "top_k"):
+        task.top_k = a.top_k
+    ev = evaluate(m.model, loader, m.device, 1, task.metrics(m.spec.classes, a.split))
+    metrics = ev.compute()
     sha = m.sha256
     with tempfile.TemporaryDirectory() as tmp:
-        files = write_report(ev, m.spec.classes, a.out or tmp, a.split)
+        files = ev.report(a.out or tmp)
         run_id = None if a.no_mlflow else log_run(a, m, metrics, files, sha, root)
     if a.json:
         about = {"checkpoint": m.origin, "step": m.step, "weights": m.weights, "split": a.split}
@@ -106,9 +111,8 @@ def run(a) -> int:
     for k, v in metrics.items():
         if "/class/" not in k:
             print(f"  {k:<16} {v:.6f}")
-    print(f"  {'class':<16} {'samples':>7} {'correct':>7} {'accuracy':>9}")
-    for name, (ok, count, acc) in zip(m.spec.classes, ev.per_class()):
-        print(f"  {name:<16} {count:>7} {ok:>7} {acc:>9.4f}")
+    for line in ev.lines():  # the task's per-class table
+        print(line)
     print(f"  model_sha256     {sha}")
     if a.out:
         print(f"report: {', '.join(files)}")

@@ -5,13 +5,15 @@ python scripts/predict.py outputs/checkpoints/demo photo.jpg          # the one 
 python scripts/predict.py model.safetensors photo.jpg --out predictions.csv  # an inspect_checkpoint.py export
 python scripts/predict.py models:/m-0123456789abcdef photo.jpg        # the model a run logged to MLflow
 
-The source carries everything prediction needs (the model's `_target_` node, class names, image size,
-mean and std): a checkpoint in its commit record, an export in its safetensors metadata, the MLflow
-model in its metadata. Each image gets the eval view training used (resize, center crop, normalize);
-any format Pillow opens works. The CSV: path, class, probability, top<k> (`class:probability`
-pairs, best first, joined by `;`). Loading an MLflow model unpickles it (docs/security.md); the other
-two sources run no code from the files. A missing or undecodable image: one line, exit 2. A checkpoint
-path that is not there but names one run dir `<it>-<8 hex digits>` beside it is that dir (evaluate.py).
+The source carries everything prediction needs (the model's `_target_` node, class names, image
+size, mean and std): a checkpoint in its commit record, an export in its safetensors metadata, the
+MLflow model in its metadata. Each image gets the eval view training used (resize, center crop,
+normalize); any format Pillow opens works. The CSV is the task's (goodput.recipe.task): for
+classification path, class, probability, top<k> (`class:probability` pairs, best first, joined by
+`;`); for multilabel path, labels (those at or above the threshold, joined by `;`), top<k>. Loading
+an MLflow model unpickles it (docs/security.md); the other two sources run no code from the files. A
+missing or undecodable image: one line, exit 2. A checkpoint path that is not there but names one
+run dir `<it>-<8 hex digits>` beside it is that dir (evaluate.py).
 """
 
 import argparse
@@ -24,7 +26,7 @@ import sys
 
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
-from goodput.inference import csv_rows, image_files, integer, load, predict
+from goodput.inference import image_files, integer, load, predict
 
 
 def main(argv=None) -> int:
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
         files = image_files(a.images)
         source = run_dir(a.source, say=lambda line: print(f"predict.py: {line}", file=sys.stderr))
         m = load(source, a.weights, a.step, a.device, tuple(a.allow_target))
-        rows = csv_rows(predict(m, files, a.batch_size, a.top_k), min(a.top_k, m.spec.num_classes))
+        rows = predict(m, files, a.batch_size, a.top_k)
         if a.out:
             with open(a.out, "w", newline="") as f:
                 csv.writer(f).writerows(rows)

@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> dict | None:
         suffix = hc.job.override_dirname.replace("/", "_") or str(hc.job.num)
     try:
         targets.check(cfg, hc.overrides.task, dict(hc.runtime.choices))  # a swapped _target_'s old keys
-        c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices))
+        c, ctx, lock = prepare(cfg, hc.runtime.output_dir, suffix, dict(hc.runtime.choices), CONF)
     except AlreadyDone as e:
         log.info("%s", e)
         return

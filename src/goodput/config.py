@@ -33,7 +33,6 @@ from goodput.parallel import ParallelConfig
 from goodput.resilience.fault import FaultConfig
 from goodput.run.cache_trust import key_file_problem
 from goodput.run.config import ScheduleConfig, TrainerConfig
-from goodput.run.monitor import check_logged
 from goodput.storage.remote import StorageConfig
 from goodput.tracking import MlflowConfig
 
@@ -53,7 +52,7 @@ class PathsConfig:
 
     data_dir: str = (
         "${paths.root}/remote/data/"
-        "shapes-c${demo_data.num_classes}-n${demo_data.train_per_class}-v${demo_data.val_per_class}"
+        "${demo_data.kind}-c${demo_data.num_classes}-n${demo_data.train_per_class}-v${demo_data.val_per_class}"
         "-s${demo_data.image_size}-g${demo_data.seed}"
     )
     """The demo "remote" dataset, named by every key that generated it (created on first use)."""
@@ -106,6 +105,11 @@ class RunConfig:
     """Continue an existing run (an explicit run.name) whose identity keys differ from this launch's,
     with a warning listing them; without it that launch is refused (exit 2), naming each key."""
 
+    allow_code_change: bool = False
+    """Continue a run whose commit was written by other code (the goodput package or conf/ differ
+    from this launch's: docs/recipe.md), with a warning naming the changed files; the commits record
+    the code that wrote them. Without it that launch is refused (exit 2), naming the files."""
+
 
 @dataclass
 class OptimConfig:
@@ -116,6 +120,19 @@ class OptimConfig:
 
     schedule: Any = None
     """Filled by the `optim/schedule` group (goodput.run.config.ScheduleConfig is the default's schema)."""
+
+    norm_weight_decay: float | None = None
+    """Weight decay of the normalization layers' parameters (BatchNorm, GroupNorm, LayerNorm, ...);
+    null = the optimizer's, 0.0 = none. Parameter groups from named parameters: goodput/recipe/params.py."""
+
+    bias_weight_decay: float | None = None
+    """Weight decay of every bias (a norm layer's too); null = the optimizer's, 0.0 = none."""
+
+    def __post_init__(self):
+        for key in ("norm_weight_decay", "bias_weight_decay"):
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, int | float) and v >= 0):
+                raise ValueError(f"optim.{key} must be >= 0 or null, got {v!r}")
 
 
 # group -> schema. The file-based groups' options start with `defaults: [base]`; the others are
@@ -164,6 +181,8 @@ class Config:
 
     seed: int
     model: dict
+    task: dict
+    batch_augment: dict
     paths: PathsConfig
     run: RunConfig
     trainer: TrainerConfig
@@ -210,14 +229,25 @@ def build(schema, node: dict, key: str):
 
 
 def monitors_logged(
-    trainer: TrainerConfig, checkpoint: CheckpointConfig, num_classes: int | None = None
+    task, trainer: TrainerConfig, checkpoint: CheckpointConfig, num_classes=None
 ) -> list[str]:
-    """checkpoint.keep_best_by and trainer.early_stopping_by (when on) name a metric evaluation logs."""
-    top_k = trainer.eval_top_k if isinstance(trainer.eval_top_k, int) else None
+    """checkpoint.keep_best_by and trainer.early_stopping_by (when on) name a metric every evaluation
+    logs: one of the task's metric_modes (goodput.recipe.task), for `num_classes` (None: not known
+    yet, before the data is listed)."""
+    modes = task.metric_modes(num_classes)
     watched = {"checkpoint.keep_best_by": checkpoint.keep_best_by}
     if trainer.early_stopping_patience is not None:
         watched["trainer.early_stopping_by"] = trainer.early_stopping_by
-    return [e for key, name in watched.items() for e in check_logged(name, key, top_k, num_classes)]
+    out = []
+    for key, name in watched.items():
+        if name is not None and name not in modes:
+            why = f" with {num_classes} classes" if num_classes is not None else ""
+            out.append(
+                f"{key}={name} is not a metric every evaluation logs: task {type(task).__name__} logs "
+                f"{', '.join(modes)}{why} (val/top<k>: k = trainer.eval_top_k, null = 5 from 5 classes up; "
+                "a metric of your own: goodput/recipe/metrics.py and the task's metric_modes)"
+            )
+    return out
 
 
 def idle_settings(trainer: TrainerConfig) -> list[str]:
@@ -272,6 +302,13 @@ def optim_errors(optim: dict) -> list[str]:
     except (ValueError, ArithmeticError) as e:
         return [f"{_culprit('optim.schedule', optim['schedule'], schedule)}: {e}"]
     return []
+
+
+def _cause(e: BaseException) -> str:
+    """What a constructor said, not Hydra's wrapper around it (InstantiationException: 'Error in
+    call to target ...' with the cause's message inside)."""
+    cause = e.__cause__ or e
+    return f"{type(cause).__name__}: {cause}" if cause is not e else str(e)
 
 
 def _culprit(where: str, node: dict, build_with) -> str:
@@ -376,11 +413,27 @@ def validate(c: dict) -> Config:
                 f"runs per_rank / micro_batch_size whole micro-batches per step"
             )
 
+    # The recipe's nodes, built once (cheap: no data, no model): a bad argument is named now
+    recipe = {}
+    for key in ("task", "batch_augment"):
+        try:
+            recipe[key] = instantiate(c[key])
+        except Exception as e:
+            errors.append(f"{key}: {_cause(e)}")
+    mix = recipe.get("batch_augment")
+    if mix is not None and getattr(mix, "active", True) and getattr(mix, "pairs", False):
+        per_rank = gbs // world if isinstance(gbs, int) and world >= 1 else None
+        if per_rank is not None and per_rank % 2:
+            errors.append(
+                f"batch_augment ({c['batch_augment']['_target_']}) mixes neighbouring samples in pairs "
+                f"inside each rank's part of the global batch: trainer.global_batch_size={gbs} / world size "
+                f"{world} = {per_rank} must be even"
+            )
     # The number of classes, where the config says it: the demo data (else known in build.Trainer)
     demo = c["data"]["root"] == c["paths"]["data_dir"]
     classes = c["demo_data"]["num_classes"] if demo else None
-    if "trainer" in nodes and "checkpoint" in nodes:
-        errors += monitors_logged(nodes["trainer"], nodes["checkpoint"], classes)
+    if "trainer" in nodes and "checkpoint" in nodes and "task" in recipe:
+        errors += monitors_logged(recipe["task"], nodes["trainer"], nodes["checkpoint"], classes)
     errors += optim_errors(c["optim"])
     if c["mlflow"]["log_model"] == "best" and not c["checkpoint"]["keep_best_by"]:
         errors.append("mlflow.log_model=best needs checkpoint.keep_best_by (which metric is best)")
@@ -396,7 +449,7 @@ def validate(c: dict) -> Config:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     for w in idle_settings(nodes["trainer"]):  # (eval_top_k against the classes: once they are listed)
         log.warning("%s", w)
-    untyped = {k: c[k] for k in ("seed", "model")}  # seed: an int; model: a `_target_` node
+    untyped = {k: c[k] for k in ("seed", "model", "task", "batch_augment")}  # an int; `_target_` nodes
     return Config(**untyped, **nodes)
 
 

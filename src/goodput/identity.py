@@ -2,20 +2,22 @@
 that names a run by default (`run.name: ${run.experiment}-${goodput.identity:}`).
 
 A key is an identity key when changing it makes another training run: the model, the data's
-contents, augmentation, optimizer and schedule, seed, global batch, precision, the step's
-switches. A key that may change between relaunches of one run (world size and strategy, the
-checkpoint backend and interval, the data source and workers, fault drills, timeouts, logging,
-paths, MLflow, `trainer.max_steps`) is not: relaunching with it changed still resumes the same run,
-bit-exactly or within the resharding tolerance. `TABLE` below is the one classification: every
-schema key is in it (tests/unit/test_identity.py walks every schema and every option file, and
+contents, augmentation, optimizer and schedule, seed, global batch, precision, the step's switches.
+A key that may change between relaunches of one run (world size and strategy, the checkpoint backend
+and interval, the data source and workers, fault drills, timeouts, logging, paths, MLflow,
+`trainer.max_steps`) is not: relaunching with it changed still resumes the same run, bit-exactly or
+within the resharding tolerance. The code is not in the digest: a commit records it apart, and a
+relaunch by other code is refused (goodput.provenance). `TABLE` below is the one classification:
+every schema key is in it (tests/unit/test_identity.py walks every schema and every option file, and
 checks docs/config.md's table against `markdown_table()`).
 
 The digest is over the identity keys' values as composed, with one rule for interpolations: a
 value that refers to a key which is not an identity key is taken as written, not resolved.
 `optim.schedule.total_steps: ${trainer.max_steps}` is "the run's end", so raising max_steps keeps
 the name; `data.root: ${paths.data_dir}` is "the demo data", wherever paths.root is. Keys whose
-value is null are left out, so a key added later with a null default (off) keeps every existing
-run's name.
+value is null, or the value in NEUTRAL (what trains as runs trained before the key existed), are
+left out, so a key or group added later with its neutral default keeps every existing run's name;
+a class that moved is hashed by the name runs knew it by (MOVED).
 
 The resolver (`resolve`) is registered with the schemas by goodput.config.register, which Hydra's
 plugin discovery runs (hydra_plugins.goodput_config), so `hydra.compose` sees it from anywhere. No
@@ -39,6 +41,11 @@ RESOLVER = "goodput.identity"
 TABLE: list[tuple[str, bool, str]] = [
     ("seed", True, "initial weights, sample order, augmentation"),
     ("model.*", True, "the network: its class and every argument"),
+    # the recipe's groups
+    ("task.*", True, "what is learned: the task class, its loss (task.loss) and every argument"),
+    ("task.top_k", False, "a metric (val/top<k>)"),
+    ("task.threshold", False, "which labels count as predicted in metrics and predict.py"),
+    ("batch_augment.*", True, "the batch transform (MixUp, CutMix) and its arguments"),
     # paths
     ("paths.root", False, "where state lives; moving it moves the whole run"),
     (
@@ -58,6 +65,7 @@ TABLE: list[tuple[str, bool, str]] = [
     ("run.overwrite", False, "what to do with old checkpoints"),
     ("run.lock_stale_seconds", False, "a timeout"),
     ("run.allow_config_change", False, "a permission for one launch"),
+    ("run.allow_code_change", False, "a permission for one launch"),
     ("run.init_from", True, "the weights training starts from"),
     # trainer
     ("trainer.max_steps", False, "how far, not what: raising it continues the run"),
@@ -102,6 +110,7 @@ TABLE: list[tuple[str, bool, str]] = [
     ("demo_data.val_per_class", True, "the demo data's contents (evaluation, best, early stop)"),
     ("demo_data.image_size", True, "the demo data's contents"),
     ("demo_data.seed", True, "the demo data's contents"),
+    ("demo_data.kind", True, "the demo data's contents"),
     # data
     ("data.source.*", False, "where bytes come from; the order is the same"),
     ("data.source.shuffle_block", True, "data=shards: the sample order"),
@@ -132,6 +141,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("checkpoint.rescue_timeout_s", False, "a timeout"),
     # optim
     ("optim.optimizer.*", True, "the optimizer: its class and every argument"),
+    ("optim.norm_weight_decay", True, "the update of every norm layer's parameters"),
+    ("optim.bias_weight_decay", True, "the update of every bias"),
     ("optim.schedule.*", True, "the LR schedule: its class and every argument"),
     ("optim.schedule._target_", True, "the LR schedule"),
     ("optim.schedule._partial_", True, "the LR schedule"),
@@ -142,6 +153,7 @@ TABLE: list[tuple[str, bool, str]] = [
     ("parallel.strategy.*", False, "world layout: resumes within the resharding tolerance"),
     ("parallel.nproc_per_node", False, "world size: resumes within the resharding tolerance"),
     ("parallel.shard_size", False, "world layout: resumes within the resharding tolerance"),
+    ("parallel.shard_units", False, "world layout: which blocks FSDP shards one by one"),
     ("parallel.oversubscribe", False, "permission to share CPU cores"),
     ("parallel.max_restarts", False, "fault tolerance"),
     ("parallel.rdzv_endpoint", False, "where to meet"),
@@ -189,6 +201,19 @@ TABLE: list[tuple[str, bool, str]] = [
     ("mlflow.system_metrics_interval_s", False, "observability"),
     ("mlflow.artifact_timeout_s", False, "a timeout"),
 ]
+
+# Keys at the value that trains what runs trained before the key (or its group) existed: left out
+# of the digest like a null, so adding them renamed no run. A value that differs counts.
+NEUTRAL: dict[str, Any] = {
+    "task._target_": "goodput.recipe.task.Classification",
+    "task.loss._target_": "torch.nn.CrossEntropyLoss",
+    "task.loss.label_smoothing": 0.0,
+    "batch_augment._target_": "goodput.recipe.batch.MixUpCutMix",
+    "demo_data.kind": "shapes",
+}
+# `_target_`s of classes that moved -> the name runs were digested with
+MOVED = {"goodput.recipe.models.SmallCNN": "goodput.model.SmallCNN"}
+_UNSET = object()
 
 KEYS = {k.removesuffix(".*"): ident for k, ident, _ in TABLE if not k.endswith(".*")}
 NODES = {k.removesuffix(".*"): ident for k, ident, _ in TABLE if k.endswith(".*")}
@@ -239,7 +264,8 @@ def _value(cfg, key: str, raw: Any) -> Any:
 
 
 def keys(cfg) -> dict[str, Any]:
-    """The identity keys of a composed config (a DictConfig) and their values (nulls left out)."""
+    """The identity keys of a composed config (a DictConfig) and their values (nulls and NEUTRAL
+    values left out)."""
     if getattr(_busy, "on", False):
         raise ValueError("an identity key refers to run.name (or to a key that does): it cannot name the run")
     _busy.on = True
@@ -249,7 +275,9 @@ def keys(cfg) -> dict[str, Any]:
         for key, v in leaves({k: v for k, v in raw.items() if k != "hydra"}):
             if is_identity(key) and v is not None:
                 value = _value(cfg, key, v)
-                if value is not None:
+                if key.endswith("_target_"):
+                    value = MOVED.get(value, value)
+                if value is not None and NEUTRAL.get(key, _UNSET) != value:
                     out[key] = value
         return out
     finally:

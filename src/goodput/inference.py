@@ -151,25 +151,18 @@ def decode(path: str) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(loaded: Loaded, files: list[str], batch_size: int = 64, top_k: int = 5):
-    """(path, class, probability, [(class, probability)] * k) per file, in order: softmax of the
+    """The CSV rows: the task's header, then one row per file in order, its path and the task's
+    prediction (goodput.recipe.task: classification gives class, probability, top<k>) from the
     model's logits on the eval view of each image (the spec's size and normalization)."""
     tf, classes, device = loaded.spec.transform(), loaded.spec.classes, loaded.device
+    task = loaded.spec.build_task()
     k = max(1, min(top_k, len(classes)))
+    yield task.predict_header(k)
     for i in range(0, len(files), batch_size):
         chunk = files[i : i + batch_size]
         x = torch.stack([tf(decode(f)) for f in chunk]).to(device)
-        probs = loaded.model(x).float().softmax(dim=1).cpu()
-        values, index = probs.topk(k, dim=1)
-        for f, v, j in zip(chunk, values.tolist(), index.tolist()):
-            yield f, classes[j[0]], v[0], [(classes[a], b) for a, b in zip(j, v)]
-
-
-def csv_rows(predictions, top_k: int):
-    """The CSV of `predict`: a header, then path, class, probability, top<k> (`class:probability`
-    pairs joined by `;`), probabilities with 6 decimals."""
-    yield ["path", "class", "probability", f"top{top_k}"]
-    for path, cls, p, top in predictions:
-        yield [path, cls, f"{p:.6f}", ";".join(f"{c}:{q:.6f}" for c, q in top)]
+        for f, row in zip(chunk, task.predict(loaded.model(x), classes, k)):
+            yield [f, *row]
 
 
 # -- evaluation of a checkpoint ----------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""A small CNN for the demo; any torchvision classifier works through `model=` configs."""
+"""The model's digest (summary.json `model_sha256`). The models themselves are the recipe's
+(goodput.recipe.models); SmallCNN is named here too because records written before it moved (commits,
+exports, MLflow models) build it by this name."""
 
 from __future__ import annotations
 
@@ -8,34 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-
-class SmallCNN(nn.Module):
-    """Three conv blocks + linear head. GroupNorm, not BatchNorm: the maths of a step does not depend
-    on how the global batch is split across ranks, so runs on different world sizes stay comparable."""
-
-    def __init__(self, num_classes: int = 10, width: int = 32):
-        super().__init__()
-
-        def block(cin, cout, pool):
-            layers = [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(8, cout), nn.ReLU()]
-            return nn.Sequential(*layers, *([nn.MaxPool2d(2)] if pool else []))
-
-        self.blocks = nn.ModuleList(
-            [block(3, width, True), block(width, 2 * width, True), block(2 * width, 4 * width, False)]
-        )
-        self.head = nn.Linear(4 * width, num_classes)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean(dim=(2, 3)))
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP shards one by one (then the root): SmallCNN.blocks, or ResNet's layer1..4."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    return [m for n, m in model.named_children() if n.startswith("layer")]
+from goodput.recipe.models import SmallCNN  # noqa: F401  (older records' name for it)
 
 
 def model_sha256(model: nn.Module) -> str | None:

@@ -149,7 +149,9 @@ class Single:
 
     def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
         """The module the optimizer trains. `param_dtype`: the compute dtype of mixed precision
-        (autocast does the casting here; FSDP casts its parameters itself)."""
+        (autocast does the casting here; FSDP casts its parameters itself). A strategy that shards
+        parameters (`shards_parameters`) also takes `plan=`: the model's shard plan
+        (goodput.recipe.models; None: the model class's own), here and in `replica` and `compile`."""
         return model
 
     def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -228,27 +230,25 @@ class FSDP(Single):
     def replica_group(self, rank: int, world: int) -> list[int]:
         return list(range(world))  # every rank holds a shard of the one copy
 
-    def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None) -> nn.Module:
+    def _shard(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None, plan) -> nn.Module:
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from goodput.model import shard_units
 
         mesh = self.device_mesh(d)
         reduce = torch.float32 if param_dtype is not None else None
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
-        for unit in shard_units(model):
+        for unit in _units(model, plan):
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
 
-    def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
-        return self._shard(model, d, param_dtype)
+    def wrap(self, model: nn.Module, d: Dist, param_dtype: torch.dtype | None = None, plan=None) -> nn.Module:
+        return self._shard(model, d, param_dtype, plan)
 
-    def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None) -> nn.Module:
-        return self._shard(module, d, param_dtype)  # sharded like the model: saved, resharded alike
+    def replica(self, module: nn.Module, d: Dist, param_dtype: torch.dtype | None = None, plan=None):
+        return self._shard(module, d, param_dtype, plan)  # sharded like the model: saved, resharded alike
 
-    def compile(self, model: nn.Module, **options) -> nn.Module:
+    def compile(self, model: nn.Module, plan=None, **options) -> nn.Module:
         """Per block, as torchtitan does: the `forward` of each unit fully_shard wrapped (of the
         root when there is none). FSDP2's all-gather and reshard are module hooks around
         `forward`, so they stay outside the compiled code. Compiling the root, or a unit in place
@@ -258,9 +258,7 @@ class FSDP(Single):
         ResNet's stem, a head) runs eagerly. State-dict keys are unchanged."""
         import torch
 
-        from goodput.model import shard_units
-
-        for unit in shard_units(model) or [model]:
+        for unit in _units(model, plan) or [model]:
             unit.forward = torch.compile(unit.forward, **options)
         return model
 
@@ -278,6 +276,14 @@ class FSDP(Single):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, enabled=enabled)
+
+
+def _units(model: nn.Module, plan) -> list[nn.Module]:
+    """The blocks of the model's shard plan (goodput.recipe.models): `plan` as the Trainer resolved
+    it, or None for the model class's own."""
+    from goodput.recipe.models import shard_plan, shard_units
+
+    return shard_units(model, shard_plan(model, None) if plan is None else tuple(plan))
 
 
 class HSDP(FSDP):
@@ -395,6 +401,13 @@ class ParallelConfig:
     init_timeout_s: float = 600.0
     """Bound on every collective until the first step is done (process group start, restore, the
     first step with its compilation and warm-up), and always on the checkpoint group."""
+
+    shard_units: list[str] | None = None
+    """parallel=fsdp|hsdp: the blocks FSDP wraps one by one, as patterns over the model's module names
+    (`["layer*"]`, `["encoder.layers.*"]`; one `*` per name part); null = the model's own shard plan
+    (goodput.recipe.models: the class's `shard_units`, or SHARD_PLANS for torchvision's). A model
+    without one is refused under fsdp/hsdp (sharded as one unit, all its parameters would be
+    gathered at once)."""
 
     collective_timeout_s: float = 120.0
     """Bound on every training collective after the first step: a peer that hung or died fails

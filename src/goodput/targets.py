@@ -27,6 +27,9 @@ from goodput.config import ConfigError
 # keys Hydra cannot delete, so the whole group goes and the node is given whole)
 SWAPPABLE = {
     "model": ("model", "~model.{key}"),
+    "task": ("task", "~task.{key}"),
+    "task.loss": ("task", "~task.loss.{key}"),
+    "batch_augment": ("batch_augment", "~batch_augment.{key}"),
     "optim.optimizer": ("optim", "~optim.optimizer.{key}"),
     "optim.schedule": (
         "optim/schedule",

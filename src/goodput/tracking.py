@@ -292,15 +292,16 @@ def start_run(
     return run.info.run_id
 
 
-def log_json(uri: str, run_id: str, obj: dict, name: str, timeout_s: float) -> None:
-    """A small JSON artifact of the run (its identity.json), on a daemon thread for at most
-    `timeout_s` (mlflow.artifact_timeout_s): an artifact store that fails or hangs only warns,
-    before training as at its end."""
+def log_json(uri: str, run_id: str, obj: dict | str, name: str, timeout_s: float) -> None:
+    """A small artifact of the run (its identity.json; a str: as text, the code's diff), on a daemon
+    thread for at most `timeout_s` (mlflow.artifact_timeout_s): an artifact store that fails or
+    hangs only warns, before training as at its end."""
     from mlflow.tracking import MlflowClient
 
     def upload():
         try:
-            _retry(MlflowClient(uri).log_dict, run_id, obj, name)
+            client = MlflowClient(uri)
+            _retry(client.log_text if isinstance(obj, str) else client.log_dict, run_id, obj, name)
         except Exception as e:
             log.warning("MLflow: could not log %s (%s)", name, e)
 

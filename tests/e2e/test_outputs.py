@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit
 from goodput.model import model_sha256
+from goodput.monitor import Best, EarlyStopping
 from goodput.run.job import AlreadyDone, prepare
-from goodput.run.monitor import Best, EarlyStopping
 
 
 def test_best_commit_survives_retention_and_restore(tmp_path, dist1):  # noqa: F811
@@ -343,34 +343,52 @@ def test_a_monitored_top_k_that_evaluation_never_logs_fails_at_config_time():
     from omegaconf import OmegaConf
 
     from goodput.config import monitors_logged, validate
+    from goodput.recipe.task import Classification
 
     c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke"]), resolve=True)
+    logs = "is not a metric every evaluation logs: task Classification logs val/loss, val/accuracy, val/top5"
     for change, message in [
-        ({"checkpoint": {"keep_best_by": "val/top3"}}, "checkpoint.keep_best_by=val/top3 is never logged"),
-        ({"checkpoint": {"keep_best_by": "val/top3"}, "trainer": {"eval_top_k": 3}}, None),
+        ({"checkpoint": {"keep_best_by": "val/top3"}}, f"checkpoint.keep_best_by=val/top3 {logs}"),
+        # (trainer.eval_top_k reaches the task through its interpolation: task.top_k here, resolved)
+        ({"checkpoint": {"keep_best_by": "val/top3"}, "task": {**c["task"], "top_k": 3}}, None),
         ({"checkpoint": {"keep_best_by": "val/top5"}}, None),
+        ({"checkpoint": {"keep_best_by": "val/macro_f1"}}, f"checkpoint.keep_best_by=val/macro_f1 {logs}"),
         ({"trainer": {"early_stopping_patience": 2, "early_stopping_by": "val/top2",
-                      "eval_every_n_steps": 5}}, "trainer.early_stopping_by=val/top2 is never logged"),
+                      "eval_every_n_steps": 5}}, f"trainer.early_stopping_by=val/top2 {logs}"),
         ({"trainer": {"early_stopping_by": "val/top2"}}, None),  # early stopping off: not watched
     ]:  # fmt: skip
         check_config_change(c, change, message)
+    assert compose_train(["paths.root=/x", "trainer.eval_top_k=3"]).task.top_k == 3
     # once the data is listed (build.Trainer): 4 classes log no top-k unless eval_top_k asks for one
     c["checkpoint"]["keep_best_by"] = "val/top5"
     typed = validate(c)
-    assert "with 4 classes no top-k is logged" in monitors_logged(typed.trainer, typed.checkpoint, 4)[0]
-    assert monitors_logged(typed.trainer, typed.checkpoint, 10) == []
+    task = Classification(torch.nn.CrossEntropyLoss())
+    assert (
+        "logs val/loss, val/accuracy with 4 classes"
+        in monitors_logged(task, typed.trainer, typed.checkpoint, 4)[0]
+    )
+    assert monitors_logged(task, typed.trainer, typed.checkpoint, 10) == []
 
 
 def test_a_search_objective_no_evaluation_logs_fails_before_any_trial():
     """hydra.sweeper.metric names summary.json's `val` entry each trial returns: a typo made every
     trial 'return no metric' and the whole search ran without an objective."""
-    from hydra_plugins.goodput_optuna_sweeper.sweeper import OptunaSweeper
+    from hydra_plugins.goodput_optuna_sweeper.sweeper import OptunaSweeper, objective_error
 
     for ok in ("val/accuracy", "val/loss", "val/top5", "val/class/circle"):
         assert OptunaSweeper(metric=ok).metric == ok
-    for bad in ("accuracy", "val/acc", "train/loss"):
+    for bad in ("accuracy", "train/loss"):
         with pytest.raises(ValueError, match="hydra.sweeper.metric must be"):
             OptunaSweeper(metric=bad)
+    classification = compose_train(["paths.root=/x"]).task
+    multilabel = compose_train(["paths.root=/x", "task=multilabel"]).task
+    for ok in ("val/accuracy", "val/loss", "val/top5", "val/class/circle"):
+        assert objective_error(ok, classification) is None
+    assert objective_error("val/acc", classification).startswith(
+        "hydra.sweeper.metric=val/acc is not a metric"
+    )
+    assert "val/mAP" in objective_error("val/map", multilabel)
+    assert objective_error("val/mAP", multilabel) is None and objective_error("val/mAP", classification)
 
 
 def test_top_k_end_to_end_where_it_differs_from_top_1(smoke_reference):

@@ -11,7 +11,7 @@ from helpers import make_app, manager
 
 from goodput.checkpoint import BACKENDS, CheckpointConfig, CheckpointManager
 from goodput.model import model_sha256
-from goodput.run.monitor import Best, EarlyStopping
+from goodput.monitor import Best, EarlyStopping
 from goodput.storage.remote import Storage
 
 

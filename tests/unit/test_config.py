@@ -216,9 +216,10 @@ def test_checks_that_need_only_the_config_fail_at_validate_naming_the_key():
          "optim.optimizer.betas=[0.9, 1.5]: Invalid beta"),
         ({"optim": {"optimizer": {**sgd, "momentum": -1.0}}}, "optim.optimizer.momentum=-1.0"),
         ({"checkpoint": {"keep_best_by": "val/top5"}, **three},
-         "checkpoint.keep_best_by=val/top5: with 3 classes no top-k is logged"),
+         "checkpoint.keep_best_by=val/top5 is not a metric every evaluation logs: task Classification logs "
+         "val/loss, val/accuracy with 3 classes"),
         ({"trainer": {"early_stopping_patience": 2, "early_stopping_by": "val/top5", "eval_every_n_steps": 4},
-          **three}, "trainer.early_stopping_by=val/top5: with 3 classes no top-k is logged"),
+          **three}, "trainer.early_stopping_by=val/top5 is not a metric every evaluation logs"),
         ({"checkpoint": {"keep_best_by": "val/top5"}}, None),  # 10 classes
         ({"checkpoint": {"keep_best_by": "val/top5"}, **three, "data": {"root": "/my/data"}},
          None),  # not the demo data: its classes are counted once it is listed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from helpers import check_config_change, compose_train, end_gloo_rank
 
 from goodput.model import SmallCNN, model_sha256
 from goodput.parallel import DDP, FSDP, HSDP, Single
-from goodput.run.step import Step, StepOptions, make_ema
+from goodput.run.step import Step, StepGuard, StepOptions, make_ema
 
 CPU = torch.device("cpu")
 WORLD, SHARD = 4, 2  # 2 replica groups of 2 ranks: rank r at mesh (r // 2, r % 2)
@@ -148,10 +149,17 @@ def _step_rank(rank: int, port: int, out: str) -> None:
 
     strategy, model, ema = _hsdp_model(d, ema_decay=0.5)
     early = []  # after each micro-step but the last: has any sharded gradient been reduced yet?
-    step = _sgd_step(
-        model, strategy, StepOptions(micro_batch_size=2, clip_grad_norm=1e-3), ema=ema,
-        between_micro_steps=lambda s: early.append(any(p.grad is not None for p in model.parameters())),
+    spy = SimpleNamespace(
+        in_step=lambda s: early.append(any(p.grad is not None for p in model.parameters())),
+        after_forward=lambda s: None, in_update=lambda: None,
     )  # fmt: skip
+    step = _sgd_step(
+        model,
+        strategy,
+        StepOptions(micro_batch_size=2, clip_grad_norm=1e-3),
+        ema=ema,
+        guard=StepGuard(faults=spy),
+    )
     for i, (x, y) in enumerate(batches(2)):
         step(_mine(x, rank), _mine(y, rank), i)
         if i == 0:
@@ -174,7 +182,9 @@ def _step_rank(rank: int, port: int, out: str) -> None:
         if rank == 3 and first.grad is not None:
             first.grad.to_local().view(-1)[0] = float("inf")
 
-    step = _sgd_step(model, strategy, StepOptions(precision="16-mixed"), before_update=plant)
+    step = _sgd_step(
+        model, strategy, StepOptions(precision="16-mixed"), guard=StepGuard(wait_for_staging=plant)
+    )
     x, y = batches(1)[0]
     step(_mine(x, rank), _mine(y, rank), 0)
     res["fp16_unchanged"] = all(

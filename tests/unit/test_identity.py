@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from goodput import identity
-from goodput.config import SCHEMAS
+from goodput.config import SCHEMAS, Config
 from goodput.errors import UserError
 from goodput.parallel import LAUNCHER_ENV
 from goodput.resilience.lock import RunLocked
@@ -50,8 +50,9 @@ def name_of(*overrides: str) -> str:
 
 # -- the classification ------------------------------------------------------------------------------
 def schema_keys(schemas: dict) -> set[str]:
-    """Every schema field as a dotted key, and conf/train.yaml's own keys (seed; the model node)."""
-    out = {"seed", "model"}
+    """Every schema field as a dotted key, and the keys without a schema group (seed; the `_target_`
+    nodes model, task, batch_augment: goodput.config.Config's untyped fields)."""
+    out = {f.name for f in dataclasses.fields(Config) if f.name not in schemas}
     for group, schema in schemas.items():
         out |= {f"{group.replace('/', '.')}.{f.name}" for f in dataclasses.fields(schema)}
     return out
@@ -104,7 +105,7 @@ def test_docs_config_md_has_the_table_of_the_code():
     page = (REPO / "docs" / "config.md").read_text()
     m = re.search(r"<!-- identity-table -->\n(.*?)\n<!-- /identity-table -->", page, re.S)
     assert m, "docs/config.md: no <!-- identity-table --> section"
-    assert m.group(1) == identity.markdown_table(), "regenerate: goodput.identity.markdown_table()"
+    assert m.group(1) == identity.markdown_table(), "regenerate it: make docs"
 
 
 # -- the name ------------------------------------------------------------------------------------------

@@ -310,10 +310,13 @@ class Consumption:
         self.c, self.reads, self.derived = c, rec.reads, derived
 
     def _handed(self, node_path: tuple) -> bool:
-        """A node reaches its code whole: read as a node, or inside a list that was read."""
-        return node_path in self.reads or (
+        """A node reaches its code whole: read as a node, or inside a list that was read, or inside a
+        node that was (instantiate builds a `_target_` node's nested `_target_` nodes too: task.loss)."""
+        if node_path in self.reads or (
             bool(node_path) and isinstance(node_path[-1], int) and node_path[:-1] in self.reads
-        )
+        ):
+            return True
+        return len(node_path) > 1 and self._handed(node_path[:-1])
 
     def target(self, path: tuple) -> str | None:
         """The module of the `_target_` whose parameter this key is, if its node was handed on.

@@ -421,7 +421,7 @@ def test_a_malformed_best_or_early_stopping_state_starts_over(caplog, part, stat
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from goodput.checkpoint.state import encode
-    from goodput.run.monitor import Best, EarlyStopping
+    from goodput.monitor import Best, EarlyStopping
 
     app, *_ = make_app(1)
     best, early = Best("val/loss", None), EarlyStopping(3, "val/loss", 0.0, None)

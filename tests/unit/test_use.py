@@ -93,7 +93,19 @@ def test_a_record_asking_for_pretrained_weights_is_refused(key):
             {"node": {"_target_": "goodput.data.synthetic.make_dataset", "root": "/tmp/x"}},
             "neither an nn.Module",
         ),
-        ({"node": {"_target_": "goodput.model.SmallCNN", "x": {"_target_": "os.system"}}}, "key x._target_"),
+        (
+            {"node": {"_target_": "goodput.model.SmallCNN", "x": {"_target_": "os.system"}}},
+            "'os.system' is neither",
+        ),
+        (
+            {
+                "node": {
+                    "_target_": "goodput.model.SmallCNN",
+                    "x": {"_target_": "torch.nn.ReLU", "_args_": [1]},
+                }
+            },
+            "key x._args_ is refused",
+        ),  # fmt: skip
         ({"node": {"_target_": "goodput.model.SmallCNN", "_args_": ["rm"]}}, "key _args_ is refused"),
         ({"node": {"_target_": "goodput.model.SmallCNN", "_partial_": True}}, "key _partial_ is refused"),
         ({"node": {"_target_": "not a name"}}, "not a dotted name"),

@@ -7,7 +7,6 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from goodput.run.monitor import check_metric
 from goodput.storage.remote import check_url
 
 # torch.distributed.elastic's agent stops the surviving workers of a failed group with SIGTERM and
@@ -93,7 +92,6 @@ class CheckpointConfig:
                 "checkpoint.keep_last must be >= 1 (the newest commit is never deleted), "
                 f"got {self.keep_last}"
             )
-        e += check_metric(self.keep_best_by, "checkpoint.keep_best_by")
         if self.keep_best_mode not in (None, "max", "min"):
             e.append(f"checkpoint.keep_best_mode must be max|min|null, got {self.keep_best_mode!r}")
         if self.on_error not in ("raise", "continue"):

@@ -41,8 +41,8 @@ from goodput.checkpoint.layout import (
 from goodput.checkpoint.rescue import Rescue
 from goodput.checkpoint.state import AppState
 from goodput.errors import IncompatibleCheckpoint
+from goodput.monitor import Best
 from goodput.resilience.signals import signals_blocked
-from goodput.run.monitor import Best
 from goodput.storage.checksum import CHECKSUM, file_digest
 from goodput.storage.remote import DIR, FOREIGN, Storage, each
 

@@ -106,3 +106,11 @@ class DemoDataConfig:
 
     seed: int = 0
     """Seed of the generator (not of training: that is the top-level `seed`)."""
+
+    kind: str = "shapes"
+    """`shapes`: one shape per image, an ImageFolder; `multilabel`: one to three shapes per image, a
+    manifest per split (task=multilabel sets it)."""
+
+    def __post_init__(self):
+        if self.kind not in ("shapes", "multilabel"):
+            raise ValueError(f"demo_data.kind must be shapes|multilabel, got {self.kind!r}")

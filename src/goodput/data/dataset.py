@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import random
 
 import numpy as np
 import torch
@@ -136,6 +137,14 @@ class ImageFolder:
                 f"`python scripts/make_dataset.py --root {storage.root}`, or set data.dataset"
             )
 
+    def target(self, index: int):
+        """The label of sample `index` as the task takes it: the class index."""
+        return self.labels[index]
+
+    def blank_target(self):
+        """The label of a sample that is not there (padding, a skipped file): no class."""
+        return -1
+
     def _index(self, files: list[str], labels: list[int], sizes: list[int], classes: list[str]) -> None:
         self.files, self.labels, self.sizes, self.classes = files, labels, sizes, classes
         # Names the file list (a checkpoint's data position refers to it; MLflow's dataset digest).
@@ -164,7 +173,10 @@ class CsvManifest(ImageFolder):
     `path` relative to the root, `label` a class name; a header row `path,label` is skipped.
     Classes are the sorted label names, samples are in the manifest's order (sort it once; a changed
     order is a changed dataset). Sizes come from one listing of each top-level folder the manifest
-    names. Select it with `data.dataset._target_=goodput.data.dataset.CsvManifest`."""
+    names. Select it with `data.dataset._target_=goodput.data.dataset.CsvManifest`.
+    `separator`: a subclass whose rows hold several labels (goodput.recipe.datasets)."""
+
+    separator: str | None = None  # between the labels of one row; None = one label a row
 
     def __init__(self, storage: Storage, split: str, cache_dir: str | None = None, manifest="{split}.csv"):
         name = manifest.format(split=split)
@@ -172,9 +184,8 @@ class CsvManifest(ImageFolder):
             text = storage.read_bytes(name).decode()
         except FileNotFoundError as e:
             raise DataRootError(f"no manifest {storage.url(name)} (data.dataset.manifest={manifest})") from e
-        lines = [
-            (n, r) for n, r in enumerate(csv.reader(text.splitlines()), 1) if r and r != ["path", "label"]
-        ]
+        header = (["path", "label"], ["path", "labels"])
+        lines = [(n, r) for n, r in enumerate(csv.reader(text.splitlines()), 1) if r and r not in header]
         for n, r in lines:
             if len(r) != 2 or not r[0] or not r[1]:
                 raise DataRootError(f"{storage.url(name)} line {n}: expected `path,label`, got {r}")
@@ -184,10 +195,12 @@ class CsvManifest(ImageFolder):
                     f"{storage.url(name)} line {n}: path {r[0]!r} {why_unsafe(r[0])}; refused "
                     f"(paths in a manifest are relative to data.root and stay under it)"
                 )
-        rows = [r for _, r in lines]
+        rows = [
+            (path, label.split(self.separator) if self.separator else [label]) for _, (path, label) in lines
+        ]
         if not rows:
             raise DataRootError(f"{storage.url(name)} lists no samples")
-        classes = sorted({label for _, label in rows})
+        classes = sorted({c for _, names in rows for c in names if c})
         found: dict[str, int] = {}
         for top in sorted({path.split("/", 1)[0] for path, _ in rows if "/" in path}):
             found.update({f"{top}/{rel}": n for rel, n in storage.find(top).items()})
@@ -197,7 +210,9 @@ class CsvManifest(ImageFolder):
                 f"{storage.url(name)} names {len(missing)} missing file(s), e.g. {missing[0]}"
             )
         files = [path for path, _ in rows]
-        self._index(files, [classes.index(label) for _, label in rows], [found[f] for f in files], classes)
+        index = {c: i for i, c in enumerate(classes)}
+        labels = [[index[c] for c in names if c] if self.separator else index[names[0]] for _, names in rows]
+        self._index(files, labels, [found[f] for f in files], classes)
 
     @classmethod
     def check_root(cls, storage: Storage, manifest="{split}.csv") -> None:
@@ -265,17 +280,27 @@ def decode(data: bytes) -> torch.Tensor:
 
 
 def seeded(transform, img: torch.Tensor, seed: int) -> torch.Tensor:
-    """transform(img) with the global CPU RNG seeded to `seed` for the call, then restored.
+    """transform(img) with the global CPU generators of torch, NumPy and Python's `random` seeded
+    from `seed` for the call, then restored.
 
-    torchvision v2 transforms draw from the global torch RNG and take no generator: fork it and
-    seed it per sample, so the augmented tensor does not depend on which worker loads the sample,
-    how many there are, or where a run resumed. Only the CPU generator: `torch.manual_seed` would
-    also seed every accelerator generator (outside fork_rng's restore, so a workers=0 run on a GPU
-    had its CUDA RNG reset every sample) and, before CUDA is initialised, record a stack trace for
-    each: ~80 us a sample, an eighth of a 64 px image's CPU. The CPU state it sets is the same."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        return transform(img)
+    torchvision v2 transforms draw from the global torch RNG and take no generator; a transform of
+    your own may draw from `random` or `np.random`. Seeding all three per sample makes the augmented
+    tensor a pure function of (seed, epoch, index): the same whichever worker loads the sample, how
+    many there are, or where a run resumed. Restored after, so the process's own streams (the main
+    process's, with data.num_workers=0) do not move. Only torch's CPU generator: `torch.manual_seed`
+    would also seed every accelerator generator (outside fork_rng's restore, so a workers=0 run on a
+    GPU had its CUDA RNG reset every sample) and, before CUDA is initialised, record a stack trace
+    for each: ~80 us a sample, an eighth of a 64 px image's CPU. The CPU state it sets is the same."""
+    py, np_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return transform(img)
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
 
 
 class ImageDataset(torch.utils.data.Dataset):
@@ -284,7 +309,8 @@ class ImageDataset(torch.utils.data.Dataset):
     Returns a dict with the image, the label, the sample's index (the sample-order hash chain is fed
     from what was delivered, goodput.data.loader) and per-sample I/O counters (cache hit, bytes
     fetched, ok) so the training process can count what was *delivered*, across workers.
-    Index -1 is padding (equal batch counts per rank): a zero image with label -1, ignored by the loss.
+    Index -1 is padding (equal batch counts per rank): a zero image with the dataset's blank label; a
+    file skipped by data.on_bad_sample=skip is a zero image with ok 0. The task weighs both zero.
     """
 
     def __init__(
@@ -307,7 +333,8 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _blank(self, index: int, hit=0, nbytes=0, ok=0) -> dict:
         img = torch.zeros(3, self.image_size, self.image_size)
-        return {"image": img, "label": -1, "index": index, "hit": hit, "bytes": nbytes, "ok": ok}
+        blank = getattr(self.files, "blank_target", lambda: -1)()
+        return {"image": img, "label": blank, "index": index, "hit": hit, "bytes": nbytes, "ok": ok}
 
     def __getitem__(self, key) -> dict:
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -332,5 +359,6 @@ class ImageDataset(torch.utils.data.Dataset):
             x = seeded(self.transform, img, sample_seed(self.seed, epoch, index))
         else:
             x = self.transform(img)
-        label = self.files.labels[index]
+        target = getattr(self.files, "target", None)  # a dataset class of your own may not have one
+        label = target(index) if target is not None else self.files.labels[index]
         return {"image": x, "label": label, "index": index, "hit": int(hit), "bytes": nbytes, "ok": 1}

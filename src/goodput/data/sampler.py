@@ -79,6 +79,12 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(seed, epoch, index)
 
 
+def batch_seed(seed: int, step: int) -> int:
+    """Seed of the batch transform of the step after `step` (goodput.recipe.batch): a pure function of
+    (seed, step), the same on every rank."""
+    return _mix(seed, "batch", step)
+
+
 class StepBatchSampler:
     """Yields this rank's batches for steps [start, stop) as lists of (epoch, index) keys.
 

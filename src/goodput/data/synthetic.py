@@ -1,8 +1,11 @@
-"""A learnable, procedurally generated image-classification dataset written as JPEG ImageFolder.
+"""A learnable, procedurally generated image dataset written as JPEGs: `shapes` (an ImageFolder) or
+`multilabel` (a manifest per split).
 
 Each class is a shape (disc, square, triangle, ...) drawn at a random position, size and colour over a
-noisy background, so a small CNN learns it in a few hundred steps but not instantly. Deterministic from
-the seed: image i of split s comes from numpy's PCG64 seeded with (seed, s, i).
+noisy background, so a small CNN learns it in a few hundred steps but not instantly. `multilabel`
+draws one to three different shapes, smaller, into each image, and lists its labels in
+`<split>.csv` (`path,labels`, labels `;`-joined: goodput.recipe.datasets.MultilabelManifest).
+Deterministic from the seed: image i of split s comes from numpy's PCG64 seeded with (seed, s, i).
 """
 
 from __future__ import annotations
@@ -26,14 +29,33 @@ REPLACING = "DATASET.replacing"  # in a folder while a dataset's splits replace 
 SHAPES = ["disc", "square", "triangle", "cross", "hbars", "vbars", "ring", "diamond", "checker", "dots"]
 
 
+KINDS = ("shapes", "multilabel")
+
+
 def _draw(shape: str, size: int, rng: np.random.Generator) -> Image.Image:
+    img = _background(size, rng)
+    _shape(ImageDraw.Draw(img), shape, size, rng, 0.22, 0.38)
+    return img
+
+
+def _draw_many(shapes: list[str], size: int, rng: np.random.Generator) -> Image.Image:
+    img = _background(size, rng)
+    d = ImageDraw.Draw(img)
+    for shape in shapes:
+        _shape(d, shape, size, rng, 0.14, 0.22)
+    return img
+
+
+def _background(size: int, rng: np.random.Generator) -> Image.Image:
     bg = rng.integers(0, 256, 3)
     noise = rng.normal(0, 24, (size, size, 3))
     arr = np.clip(bg[None, None, :] * 0.5 + 64 + noise, 0, 255).astype(np.uint8)
-    img = Image.fromarray(arr, "RGB")
-    d = ImageDraw.Draw(img)
+    return Image.fromarray(arr, "RGB")
+
+
+def _shape(d: ImageDraw.ImageDraw, shape: str, size: int, rng: np.random.Generator, lo: float, hi: float):
     color = tuple(int(c) for c in rng.integers(0, 256, 3))
-    r = int(size * rng.uniform(0.22, 0.38))
+    r = max(2, int(size * rng.uniform(lo, hi)))
     cx, cy = (int(v) for v in rng.integers(r, size - r, 2))
     box = [cx - r, cy - r, cx + r, cy + r]
     w = max(2, size // 12)
@@ -66,7 +88,6 @@ def _draw(shape: str, size: int, rng: np.random.Generator) -> Image.Image:
         for _ in range(6):
             x, y = (int(v) for v in rng.integers(cx - r, cx + r, 2))
             d.ellipse([x - w, y - w, x + w, y + w], fill=color)
-    return img
 
 
 def make_dataset(
@@ -79,10 +100,12 @@ def make_dataset(
     quality: int = 90,
     threads: int = 4,
     test_per_class: int = 0,
+    kind: str = "shapes",
 ) -> dict:
     """Write `root/{train,val}/<class>/<i>.jpg` (and `test/` with `test_per_class` > 0: a held-out
     split training never reads, for scripts/evaluate.py --split test) and then `root/DATASET.json`.
-    Returns counts. Local paths only (it is a demo volume).
+    `kind="multilabel"`: `root/<split>/<i>.jpg` and `root/<split>.csv`, num_classes x *_per_class
+    images a split. Returns counts. Local paths only (it is a demo volume).
 
     Generated aside (`<root>.partial-<pid>`) and moved into place, so a kill at any moment leaves
     either no dataset or a complete one; a relaunch starts over."""
@@ -92,6 +115,8 @@ def make_dataset(
         raise ValueError(f"image_size must be >= 8, got {image_size}")
     if test_per_class < 0:
         raise ValueError(f"test_per_class must be >= 0, got {test_per_class}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     root = os.path.abspath(root)
     for stale in glob.glob(f"{glob.escape(root)}.partial-*"):  # left by killed generators
         if _dead(stale.rsplit("-", 1)[-1]):
@@ -101,24 +126,40 @@ def make_dataset(
     jobs = []
     splits = [("train", train_per_class), ("val", val_per_class), ("test", test_per_class)]
     splits = [(i, split, n) for i, (split, n) in enumerate(splits) if split != "test" or n > 0]
+    multi = kind == "multilabel"
     for split_id, split, n in splits:
         for c in range(num_classes):
-            os.makedirs(os.path.join(tmp, split, SHAPES[c]), exist_ok=True)
+            os.makedirs(os.path.join(tmp, split, "" if multi else SHAPES[c]), exist_ok=True)
             jobs += [(split_id, split, c, i) for i in range(n)]
 
     def write(job):
         split_id, split, c, i = job
         rng = np.random.default_rng([seed, split_id, c, i])
         buf = io.BytesIO()
-        _draw(SHAPES[c], image_size, rng).save(buf, format="JPEG", quality=quality)
-        with open(os.path.join(tmp, split, SHAPES[c], f"{i:06d}.jpg"), "wb") as f:
+        if multi:  # image c*n+i: one to three different shapes
+            shapes = [SHAPES[k] for k in sorted(rng.choice(num_classes, rng.integers(1, 4), replace=False))]
+            _draw_many(shapes, image_size, rng).save(buf, format="JPEG", quality=quality)
+            rel = f"{split}/{c:03d}{i:06d}.jpg"
+        else:
+            shapes = [SHAPES[c]]
+            _draw(SHAPES[c], image_size, rng).save(buf, format="JPEG", quality=quality)
+            rel = f"{split}/{SHAPES[c]}/{i:06d}.jpg"
+        with open(os.path.join(tmp, rel), "wb") as f:
             f.write(buf.getvalue())
+        return split, rel, shapes
 
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(write, jobs))
+        written = list(pool.map(write, jobs))
+    if multi:  # the manifests, in the order the images were listed (goodput.recipe.datasets)
+        for _, split, _ in splits:
+            with open(os.path.join(tmp, f"{split}.csv"), "w") as f:
+                f.write("path,labels\n")
+                f.writelines(f"{rel},{';'.join(shapes)}\n" for s, rel, shapes in written if s == split)
     counts = {split: num_classes * n for _, split, n in splits}  # (no "test" without one: the
     # default job's record, and so its data, stay what they were)
     record = {**counts, "num_classes": num_classes, "image_size": image_size, "seed": seed}
+    if multi:  # (the default kind is not recorded: the data of earlier runs stays what it was)
+        record["kind"] = kind
     with open(os.path.join(tmp, COMPLETE), "w") as f:
         json.dump(record, f)
     _move_into_place(tmp, root, record)
@@ -170,6 +211,11 @@ def _move_into_place(tmp: str, root: str, record: dict) -> None:
         shutil.rmtree(os.path.join(root, split), ignore_errors=True)
         if os.path.isdir(os.path.join(tmp, split)):
             os.rename(os.path.join(tmp, split), os.path.join(root, split))
+        manifest = os.path.join(root, f"{split}.csv")
+        if os.path.isfile(manifest):
+            os.remove(manifest)
+        if os.path.isfile(os.path.join(tmp, f"{split}.csv")):
+            os.rename(os.path.join(tmp, f"{split}.csv"), manifest)
     os.rename(os.path.join(tmp, COMPLETE), os.path.join(root, COMPLETE))
     os.remove(os.path.join(root, REPLACING))
     os.rmdir(tmp)

@@ -22,7 +22,11 @@ from goodput.checkpoint.spec import ModelSpec
 from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
 from goodput.data.dataset import check_same_classes
 from goodput.data.loader import ResumableLoader, data_record, eval_loader
+from goodput.data.sampler import batch_seed
+from goodput.monitor import EarlyStopping
 from goodput.parallel import set_collective_timeout
+from goodput.recipe.models import shard_plan, shard_units
+from goodput.recipe.params import param_groups
 from goodput.resilience.accounting import Ledger
 from goodput.resilience.bookkeeping import Goodput
 from goodput.resilience.fault import Faults
@@ -30,9 +34,8 @@ from goodput.resilience.recovery import Recovery
 from goodput.resilience.watchdog import Watchdog
 from goodput.run.compiler import CompileCache, CompileClock
 from goodput.run.context import RunContext
-from goodput.run.monitor import EarlyStopping
 from goodput.run.observe import MFU, StepProfiler, StragglerWatch
-from goodput.run.step import PRECISIONS, Step, StepOptions, make_ema
+from goodput.run.step import PRECISIONS, Step, StepGuard, StepOptions, make_ema
 from goodput.storage.remote import Storage
 from goodput.tracking import Tracker
 
@@ -62,7 +65,8 @@ def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> Chec
         local_rank,
         pg=pg,
         commit_info={"config_hash": ctx and ctx.config_hash, "mlflow_run_id": ctx and ctx.mlflow_run_id,
-                     "run": c.run.name, "identity": ctx and ctx.identity, "max_steps": c.trainer.max_steps},
+                     "run": c.run.name, "identity": ctx and ctx.identity, "max_steps": c.trainer.max_steps,
+                     "code": ctx and (ctx.code or None)},
     )  # fmt: skip
 
 
@@ -113,12 +117,15 @@ class Trainer:
         check_same_classes(self.loader.files.classes, self.val_loader.dataset.files.classes, dc.root)
         recovery.mark("data_listed")
 
-        wrong = monitors_logged(tr, c.checkpoint, self.loader.num_classes)
+        # The recipe (goodput.recipe): the task (targets, loss, metrics) and the batch transform.
+        self.task, self.mix = instantiate(c.task), instantiate(c.batch_augment)
+        wrong = monitors_logged(self.task, tr, c.checkpoint, self.loader.num_classes)
         if wrong:  # now, not at the first evaluation after training up to it
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(wrong))
         idle = idle_top_k(tr, self.loader.num_classes)  # (validate warned about the rest)
         if idle and d.rank == 0:
             log.warning("%s", idle)
+        self.metric_modes = self.task.metric_modes(self.loader.num_classes)
 
         opts = StepOptions(**{k: getattr(tr, k) for k in STEP_KEYS})
         dtype = PRECISIONS[str(opts.precision)]
@@ -131,14 +138,25 @@ class Trainer:
         # shards the module in place)
         self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
+        plan = shard_plan(model, c.model.get("_target_"), c.parallel.shard_units)
+        if strategy.shards_parameters and not shard_units(model, plan):
+            raise ConfigError(
+                f"parallel.strategy {c.parallel.strategy['_target_']} shards the model block by block, but "
+                f"model {c.model.get('_target_')} has no shard plan"
+                + (f" matching parallel.shard_units={list(plan)}" if plan else "")
+                + ": declare `shard_units` on its class or register its builder in SHARD_PLANS "
+                "(goodput/recipe/models.py), or set parallel.shard_units (patterns of module names)"
+            )
         ema = None
+        sharding = {"plan": plan} if strategy.shards_parameters else {}  # (a strategy of yours needs none)
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
             ema = make_ema(model, opts.ema_decay)
-            ema.module = strategy.replica(ema.module, d, dtype)
-        self.model = strategy.wrap(model, d, dtype)
+            ema.module = strategy.replica(ema.module, d, dtype, **sharding)
+        self.model = strategy.wrap(model, d, dtype, **sharding)
         if tr.compile:  # as the strategy compiles: the DDP wrapper whole, FSDP per unit
-            strategy.compile(self.model, mode=tr.compile_mode, dynamic=tr.compile_dynamic)
-        self.optimizer = instantiate(c.optim.optimizer)(params=self.model.parameters())
+            strategy.compile(self.model, mode=tr.compile_mode, dynamic=tr.compile_dynamic, **sharding)
+        groups = param_groups(self.model, c.optim.norm_weight_decay, c.optim.bias_weight_decay)
+        self.optimizer = instantiate(c.optim.optimizer)(params=groups)
         self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
         ledger = Ledger()  # kept by self.goodput
         self.app = AppState(self.model, self.optimizer, d.rank)
@@ -149,6 +167,7 @@ class Trainer:
         self.app.register("rng", self.rng, per_rank=True)
 
         self.ckpt = checkpoint_manager(c, ctx, d)
+        self.ckpt.best.take_modes(self.metric_modes)  # checkpoint.keep_best_mode null: the task's
         self.ckpt_store = self.ckpt.storage
         # What the weights need to be used (scripts/evaluate.py, predict.py, the export, the MLflow
         # model): recorded in every commit, with the data that evaluates them and the weights it did.
@@ -157,7 +176,7 @@ class Trainer:
                                      data=data_record(data_store, c.data))  # fmt: skip
         self.early_stopping = EarlyStopping(
             tr.early_stopping_patience, tr.early_stopping_by, tr.early_stopping_min_delta,
-            tr.early_stopping_mode,
+            tr.early_stopping_mode or self.metric_modes.get(tr.early_stopping_by),
         )  # fmt: skip
         # The best so far and the early-stopping counter resume with the run. Saved only when on, so
         # a run that uses neither keeps the checkpoint layout (and resumes checkpoints) it had before;
@@ -196,10 +215,10 @@ class Trainer:
         self.resumed_rescue = False  # set by the worker when the restored commit is a rescue
         self.ends_only = False  # set by the worker when the restored commit is a complete run's end
         self.stop = None  # the loop's StopSignal: installed until the end of the run is written
+        guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)  # the step's promises
         self.step = Step(
             self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
-            before_update=self.ckpt.wait_for_staging, between_micro_steps=self.faults.in_step,
-            updating=self._updating, after_forward=self.faults.after_forward,
+            task=self.task, guard=guard,
         )  # fmt: skip
         self.app.register(
             "step", self.step,
@@ -231,11 +250,20 @@ class Trainer:
         )
         self.tracker.log_dataset(dc.root, self.loader.files.fingerprint)
 
-    def _updating(self) -> None:
-        """The optimizer update starts: no rescue until the next boundary (the `update` hang drill
-        stops here, inside it)."""
-        self.rescue.updating()
-        self.faults.in_update()
+    def batch(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs of the step after `step` from a delivered batch, on the device: images, the
+        task's targets and weights; then the batch transform (batch_augment), with torch's CPU
+        generator seeded from (seed, step) around it and restored after: what it draws is the same
+        on every rank and on resume, and draws nothing from the streams the step uses."""
+        dev = self.dist.device
+        x = batch["image"].to(dev, non_blocking=True)
+        y = self.task.targets(batch).to(dev, non_blocking=True)
+        w = self.task.weights(batch).to(dev, non_blocking=True)
+        if getattr(self.mix, "active", True):
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(batch_seed(self.cfg.seed, step))
+                x, y = self.mix(x, self.task.soft(y, self.loader.num_classes))
+        return x, y, w
 
     def eval_module(self) -> torch.nn.Module:
         """The module evaluation and export use (`trainer.eval_on`): the model or its EMA."""

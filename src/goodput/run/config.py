@@ -8,7 +8,6 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from goodput.run.monitor import check_metric
 from goodput.run.progress import MODES as PROGRESS
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
@@ -215,7 +214,6 @@ class TrainerConfig:
             e.append(f"trainer.early_stopping_patience must be >= 1 or null, got {p!r}")
         if p is not None and not self.eval_every_n_steps:
             e.append("trainer.early_stopping_patience counts evaluations: set trainer.eval_every_n_steps > 0")
-        e += check_metric(self.early_stopping_by, "trainer.early_stopping_by")
         if self.early_stopping_min_delta < 0:
             e.append(f"trainer.early_stopping_min_delta must be >= 0, got {self.early_stopping_min_delta}")
         if self.early_stopping_mode not in (None, "max", "min"):

@@ -30,6 +30,10 @@ class RunContext:
     """What this launch trains: {"digest", "keys": {identity key: value}} (goodput.identity.record),
     recorded in every commit and compared with the commit a relaunch continues."""
 
+    code: dict = field(default_factory=dict)
+    """The code that trains it: {"digest", "files", "git"} (goodput.provenance.code_record), recorded
+    in every commit and compared with the commit a relaunch continues."""
+
     def with_rank0(self, mlflow_run_id: str | None, run_dir: str) -> RunContext:
         """Under an external launcher every rank prepared its own: the job's are rank 0's."""
         return replace(self, mlflow_run_id=mlflow_run_id, run_dir=run_dir)

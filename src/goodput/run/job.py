@@ -7,6 +7,7 @@ data, overwrite, the MLflow run) and tells the others in goodput.run.worker.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -18,7 +19,7 @@ from dataclasses import replace
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from goodput import identity
+from goodput import identity, provenance
 from goodput.checkpoint.export import SourceError, locate
 from goodput.checkpoint.layout import parse_step
 from goodput.config import Config, config_hash, validate
@@ -59,11 +60,20 @@ class IdentityChanged(UserError, ValueError):
     """An existing run (an explicit run.name) was trained with other identity keys."""
 
 
+class CodeChanged(UserError, ValueError):
+    """The commit a launch would continue was written by other code (goodput.provenance)."""
+
+
 def prepare(
-    cfg: DictConfig, run_dir: str, multirun_suffix: str | None = None, choices: dict | None = None
+    cfg: DictConfig,
+    run_dir: str,
+    multirun_suffix: str | None = None,
+    choices: dict | None = None,
+    conf_dir: str | None = None,
 ) -> tuple[Config, RunContext, RunLock | None]:
     """Resolve and check the config, take the run lock, create demo data, open the MLflow run.
-    Returns the typed config, this launch's context and the lock (held by rank 0's job process)."""
+    Returns the typed config, this launch's context and the lock (held by rank 0's job process).
+    `conf_dir`: the config dir the job composed from (its files are part of the code record)."""
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     if not re.match(r"^[a-z][a-z0-9+.-]*://", str(cfg.paths.root)):
@@ -80,14 +90,17 @@ def prepare(
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra")}
     params = flatten(resolved)  # the MLflow params, and (hashed) the run's identity
     params.update({f"choice.{k}": str(v) for k, v in choices.items()})
-    ctx = RunContext(run_dir, job_start, config_hash(params), identity=ident)
+    ctx = RunContext(run_dir, job_start, config_hash(params), identity=ident,
+                     code=provenance.code_record(conf_dir))  # fmt: skip
     leader = int(os.environ.get("RANK", "0")) == 0
 
     view = build.checkpoint_commits(c)  # read-only: no backend, no staging dir from this process
     committed = view.committed()
     # A changed identity is refused before any work (the demo data, the run lock): the commit
     # records say what the run was trained with. _prepare_run checks again the commit it continues.
-    check_identity(c, ctx, _continued_record(c, view, committed), view.storage, quiet=True)
+    early = _continued_record(c, view, committed)
+    check_identity(c, ctx, early, view.storage, quiet=True)
+    check_code(c, ctx, early, view.storage, quiet=True)
     if leader:
         ensure_data(c)
     lock = None
@@ -143,6 +156,7 @@ def _prepare_run(
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = view.newest_verified(committed) if resume == "auto" and committed else None
     check_identity(c, ctx, explicit or newest, store)  # before any work: the refusal is exit 2
+    check_code(c, ctx, explicit or newest, store)
     m = c.mlflow
     if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
         close_leftovers(m.tracking_uri, m.experiment, store.url())
@@ -174,7 +188,7 @@ def _prepare_run(
         log.warning("%s", longer_run(cfg, newest["step"], newest["max_steps"], c.trainer.max_steps))
     if not leader:
         return ctx
-    tags = {CHECKPOINT_TAG: store.url(), IDENTITY_TAG: ctx.identity.get("digest", "")}
+    tags = {CHECKPOINT_TAG: store.url(), IDENTITY_TAG: ctx.identity.get("digest", ""), **code_tags(ctx.code)}
     run_id = start_run(
         m.tracking_uri,
         m.experiment,
@@ -185,7 +199,57 @@ def _prepare_run(
         tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags},
     )
     log_json(m.tracking_uri, run_id, ctx.identity, "identity.json", m.artifact_timeout_s)  # the digest's keys
+    log_json(m.tracking_uri, run_id, ctx.code, "code.json", m.artifact_timeout_s)  # the code's files
+    diff = provenance.git_diff() if (ctx.code.get("git") or {}).get("dirty") else None
+    if diff:  # the uncommitted edits this launch trains with
+        log_json(m.tracking_uri, run_id, diff, "code.diff", m.artifact_timeout_s)
     return replace(ctx, mlflow_run_id=run_id)
+
+
+def check_code(c: Config, ctx: RunContext, rec: dict | None, store, quiet: bool = False) -> None:
+    """The commit a launch would continue was written by this launch's code (goodput.provenance);
+    if not, the launch is refused naming the files that changed, unless run.allow_code_change (a
+    warning). `quiet`: refuse only (the early check); the warnings are the later check's."""
+    allow = c.run.allow_code_change
+    if rec is None:
+        return
+    diff = provenance.changed(rec.get("code"), ctx.code)
+    if diff is None:  # written before commits recorded their code
+        if not quiet:
+            log.warning(
+                "%s records no code digest (written by an older version): continuing run '%s' without "
+                "checking the code that wrote it", store.url(rec["dir"]), c.run.name,
+            )  # fmt: skip
+        return
+    if not diff:
+        return
+    shown = ", ".join(_escaped(f) for f in diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
+    if not allow:
+        raise CodeChanged(
+            f"run '{c.run.name}' ({store.url(rec['dir'])}) was written by other code than this launch's: "
+            f"{shown} changed. A run is one program: give this code a run of its own (run.name=<new name>), "
+            f"or set run.allow_code_change=true to continue this run with it (recorded in its next commits)"
+        )
+    if not quiet:
+        log.warning(
+            "run.allow_code_change=true: continuing run '%s' with changed code: %s", c.run.name, shown
+        )
+
+
+def code_tags(code: dict) -> dict[str, str]:
+    """The MLflow tags of a launch's code: its digest, and the git commit with a dirty flag."""
+    git = code.get("git") or {}
+    tags = {"goodput.code_digest": str(code.get("digest", ""))}
+    if git:
+        tags.update(
+            {"goodput.git_commit": str(git.get("commit")), "goodput.git_dirty": str(git.get("dirty"))}
+        )
+    return tags
+
+
+def _escaped(text: str) -> str:
+    """A name from a record, printed without the control characters it may carry."""
+    return json.dumps(str(text))[1:-1]
 
 
 def _end_not_written(c: Config, newest: dict) -> bool:
@@ -333,7 +397,9 @@ def _check_demo_record(c: Config, root: str) -> None:
         "val": ds.num_classes * ds.val_per_class,
         "image_size": ds.image_size,
         "seed": ds.seed,
+        "kind": ds.kind,
     }
+    rec = {**rec, "kind": rec.get("kind", "shapes")}  # the default kind is not recorded
     off = [f"{k} {rec.get(k)} (demo_data.* make {v})" for k, v in want.items() if rec.get(k) != v]
     if off:
         raise DataDirTaken(
@@ -360,7 +426,8 @@ def _ensure_dataset(c: Config, store) -> None:
             log.warning("demo data at %s is incomplete (no %s): generating it again", root, COMPLETE)
         ds = c.demo_data
         log.info("demo data not found: generating it at %s", root)
-        n = make_dataset(root, ds.num_classes, ds.train_per_class, ds.val_per_class, ds.image_size, ds.seed)
+        n = make_dataset(root, ds.num_classes, ds.train_per_class, ds.val_per_class, ds.image_size, ds.seed,
+                         kind=ds.kind)  # fmt: skip
         log.info("wrote %d train / %d val JPEGs", n["train"], n["val"])
     elif root == c.paths.data_dir:
         _check_demo_record(c, root)

@@ -6,7 +6,7 @@ import logging
 import time
 
 from goodput.resilience.accounting import sync_point
-from goodput.run.evaluate import default_top_k, evaluate
+from goodput.run.evaluate import evaluate
 from goodput.run.observe import gather_ranks, rank_stats
 from goodput.run.progress import Progress
 
@@ -39,7 +39,6 @@ def train(t) -> dict:
     step = t.loader.step
     sync = sync_point(d.device)
     loss_val, val_acc, last_eval, early = float("nan"), None, None, False
-    top_k = default_top_k(tr.eval_top_k, t.loader.num_classes)
     window = {"fetch": 0.0, "step": 0.0, "images": 0, "n": 0}
 
     def evaluation(step: int, counted: bool) -> None:
@@ -49,13 +48,13 @@ def train(t) -> dict:
         te = time.perf_counter()
         # a phase with its own bound; the process's first evaluation compiles (inference graphs)
         with t.watchdog.phase(f"evaluation after step {step}", compiles=last_eval is None):
-            last_eval = evaluate(
-                t.eval_module(), t.val_loader, d.device, d.world, t.loader.num_classes, top_k
-            )
+            metrics = t.task.metrics(t.loader.files.classes)  # the task's: goodput.recipe.metrics
+            last_eval = evaluate(t.eval_module(), t.val_loader, d.device, d.world, metrics)
             compiling = t.compile_clock.take()  # a compiled model compiles again for inference
         t.goodput.add("compile", compiling)
         t.goodput.add("eval", time.perf_counter() - te - compiling)
-        val_acc, metrics = last_eval.accuracy, last_eval.metrics(t.loader.files.classes)
+        metrics = last_eval.compute()
+        val_acc = metrics.get("val/accuracy")
         t.tracker.log(metrics, step)
         progress.evaluated(step, metrics)
         if not counted:
@@ -103,9 +102,8 @@ def train(t) -> dict:
         t0 = time.perf_counter()
         batch = next(t.loader)  # the accelerator idles for exactly this long
         t1 = time.perf_counter()
-        x = batch["image"].to(d.device, non_blocking=True)
-        y = batch["label"].to(d.device, non_blocking=True)
-        loss = t.step(x, y, step)  # forward, backward, optimizer, EMA: goodput.run.step
+        x, y, w = t.batch(batch, step)  # the task's targets and weights; the batch transform
+        loss = t.step(x, y, step, w)  # forward, backward, optimizer, EMA: goodput.run.step
         t.faults.slow_step()  # fault.slow_rank: inside the timed step, after the gradient sync
         step += 1
         sync()  # on CUDA: the step's kernels are done, so the clock reads what they took

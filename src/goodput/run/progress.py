@@ -53,7 +53,11 @@ class Progress:
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         if self.lines or not self.bar.disable:
-            extra = "".join(f", {k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/top"))
+            # the task's summary figures (goodput.recipe.metrics), not the per-class ones
+            shown = {"val/loss", "val/accuracy"}
+            extra = "".join(
+                f", {k[4:]} {v:.4f}" for k, v in metrics.items() if k not in shown and k.count("/") == 1
+            )
             log.info(
                 "eval at step %d: val loss %.4f, accuracy %.4f%s",
                 step, metrics["val/loss"], metrics["val/accuracy"], extra,

@@ -1,5 +1,6 @@
-"""One optimizer step, top to bottom: forward under autocast, loss, backward with scaling over the
-micro-batches of the rank's batch, clipping, the optimizer, the LR schedule, the EMA of the weights.
+"""One optimizer step, top to bottom: forward under autocast, the task's loss, backward with scaling
+over the micro-batches of the rank's batch, clipping, the optimizer, the LR schedule, the EMA of the
+weights. What the step promises the checkpoint is `StepGuard`'s, stated once.
 
 The loop calls `Step.__call__` once per optimizer step and checkpoints only between calls, so a
 checkpoint is always at an optimizer-step boundary: a run stopped between micro-steps resumes from
@@ -37,6 +38,48 @@ class StepOptions:
     channels_last: bool = False
 
 
+class StepGuard:
+    """What the step promises the checkpoint, kept in one place (goodput.run.build makes it):
+
+    - Staging. An async save copies the state while training goes on: the step waits for that copy
+      before it changes what the copy reads, before a forward that updates buffers (BatchNorm's
+      running statistics) and before the optimizer updates parameters (`wait_for_staging`).
+    - No half-written step. From the moment the optimizer starts writing parameters until the loop
+      marks the next step boundary, no rescue is written (`rescue.updating`): the state would be no
+      step's. The mark is an optimizer step pre-hook, so it is where the update really starts,
+      whatever calls `optimizer.step()` (a GradScaler that skips the step never starts it).
+
+    `faults` (goodput.resilience.fault): the drills' sites after the forward, between micro-steps and
+    inside the update. Every part is optional: a bare guard is a step with no checkpoint to keep."""
+
+    def __init__(self, wait_for_staging=None, rescue=None, faults=None):
+        self.wait_for_staging, self.rescue, self.faults = wait_for_staging, rescue, faults
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_pre_hook(self._update_begins)  # first: before any hook of yours
+
+    def before_change(self) -> None:
+        if self.wait_for_staging is not None:
+            self.wait_for_staging()
+
+    def after_forward(self, step: int) -> None:
+        if self.faults is not None:
+            self.faults.after_forward(step)
+
+    def between_micro_steps(self, step: int) -> None:
+        if self.faults is not None:
+            self.faults.in_step(step)
+
+    def _update_begins(self, optimizer, args, kwargs) -> None:
+        self.update_begins()
+
+    def update_begins(self) -> None:
+        if self.rescue is not None:
+            self.rescue.updating()
+        if self.faults is not None:
+            self.faults.in_update()  # the `update` drill stops inside the optimizer step
+
+
 def make_ema(model: nn.Module, decay: float) -> AveragedModel:
     """An exponential moving average of `model`'s weights (and buffers), a deep copy of it: built
     from the unwrapped model, before the strategy wraps it (the copy is then sharded like it)."""
@@ -60,7 +103,8 @@ def accumulation_steps(per_rank_batch: int, micro_batch_size: int | None) -> int
 class Step:
     """The training step. `model` is the wrapped module whose parameters the optimizer holds;
     `forward` is what the step calls for the forward pass (the same module, or a compiled wrapper
-    of it: state dicts are always taken from `model`, never from a wrapper).
+    of it: state dicts are always taken from `model`, never from a wrapper); `task` gives the loss
+    of each sample (goodput.recipe.task; default: classification with cross-entropy).
 
     Stateful: its own counters (JSON) go into the checkpoint beside the scaler's state; the EMA's
     tensors are registered as a module group of their own (goodput.run.build)."""
@@ -75,66 +119,67 @@ class Step:
         device: torch.device,
         per_rank_batch: int,
         ema: AveragedModel | None = None,
-        before_update=lambda: None,
-        between_micro_steps=lambda step: None,
-        updating=lambda: None,
-        after_forward=lambda step: None,
+        task=None,
+        guard: StepGuard | None = None,
     ):
-        self.model, self.forward = model, model
+        if task is None:
+            from goodput.recipe.task import Classification
+
+            task = Classification(nn.CrossEntropyLoss())
+        self.model, self.forward, self.task = model, model, task
         self.optimizer, self.scheduler, self.strategy = optimizer, scheduler, strategy
         self.opts, self.device, self.ema = opts, device, ema
         self.n_micro = accumulation_steps(per_rank_batch, opts.micro_batch_size)
         self.autocast_dtype = PRECISIONS[str(opts.precision)]
         # fp16's narrow range needs loss scaling; bf16 has fp32's exponent range and does not.
         self.scaler = strategy.grad_scaler(device, enabled=str(opts.precision) == "16-mixed")
-        self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
         # forward mutates buffers (BatchNorm stats): an async save's copy must be done before it
         self.has_buffers = any(True for _ in model.buffers())
-        self.before_update, self.between_micro_steps = before_update, between_micro_steps
-        self.updating = updating  # the parameters are about to change: no rescue until the next boundary
-        self.after_forward = after_forward  # fault drills: a failure inside the step
+        self.guard = guard or StepGuard()
+        self.guard.attach(optimizer)
         self.skipped_steps = 0  # fp16: optimizer steps the scaler skipped (an inf or nan gradient)
         self.last_grad_norm: torch.Tensor | None = None
         self._stepped = False  # whether the optimizer ran in this step (the scaler may skip it)
         optimizer.register_step_post_hook(self._optimizer_stepped)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
-        """One optimizer step on the rank's batch (x, y); `step` is the number of steps done before
-        it. Returns the batch's mean loss (a tensor: reading it is a device sync)."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int, w: torch.Tensor | None = None):
+        """One optimizer step on the rank's batch: inputs `x`, the task's targets `y`, each sample's
+        weight `w` (0: padding or a skipped file; None: all 1); `step` is the number of steps done
+        before it. Returns the batch's mean loss (a tensor: reading it is a device sync)."""
         if self.opts.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         if self.has_buffers:
-            self.before_update()
+            self.guard.before_change()
         self.optimizer.zero_grad(set_to_none=True)
+        w = torch.ones(len(x), device=x.device) if w is None else w
+        total = w.sum().clamp(min=1.0)  # the mean over the samples that count: no sync to compute it
         loss_sum = torch.zeros((), device=self.device)
-        xs, ys = x.chunk(self.n_micro), y.chunk(self.n_micro)  # fewer if the batch is short
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
+        xs, ys, ws = x.chunk(self.n_micro), y.chunk(self.n_micro), w.chunk(self.n_micro)
+        for i, (xm, ym, wm) in enumerate(zip(xs, ys, ws)):  # fewer micro-batches if the batch is short
             last = i == len(xs) - 1
             # DDP all-reduces / FSDP reduce-scatters gradients only on the last micro-step
             sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
             with sync:
                 with self.autocast():
                     out = self.forward(xm)
-                loss = self.criterion(out.float(), ym)  # the loss in fp32 whatever the compute dtype
+                loss = self.task.mean_loss(out, ym, wm, total)  # this micro-batch's share, in fp32
                 if i == 0:
-                    self.after_forward(step)
-                if len(xs) > 1:  # each micro-batch's share of the batch mean
-                    loss = loss * (len(ym) / len(y))
+                    self.guard.after_forward(step)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             if not last:
-                self.between_micro_steps(step)
+                self.guard.between_micro_steps(step)
 
         if self.opts.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.last_grad_norm = clip_grad_norm(self.model.parameters(), self.opts.clip_grad_norm)
-        self.before_update()  # an async save's copy must finish before parameters change
-        self.updating()
+        self.guard.before_change()  # an async save's copy must finish before parameters change
         self._stepped = False
         self.scaler.step(self.optimizer)  # fp16: skipped when a gradient is inf/nan
         self.scaler.update()
         if not self._stepped:  # counted where it happens, not from the scale (a NaN one never drops)
             self.skipped_steps += 1
+            self.guard.update_begins()  # no parameter moved, but the EMA below may
         self.scheduler.step()
         done = step + 1
         o = self.opts

@@ -30,7 +30,6 @@ from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
 from goodput.run import loop, refusal
 from goodput.run.build import Trainer, storage
 from goodput.run.context import RunContext
-from goodput.run.evaluate import write_report
 from goodput.storage.local import atomic_write
 
 log = logging.getLogger("goodput")
@@ -151,7 +150,7 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
 def write_summary(t: Trainer, result: dict) -> dict:
     """Rank 0: summary.json, the goodput ledger and plot, and the run's artifacts in MLflow."""
     c, run_dir = t.cfg, t.ctx.run_dir
-    ev, classes = result.pop("evaluation", None), t.loader.files.classes
+    ev = result.pop("evaluation", None)
     books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
     goodput = books["goodput"]
     model_uri, bound = None, c.mlflow.artifact_timeout_s  # each upload: an artifact store may hang
@@ -161,7 +160,7 @@ def write_summary(t: Trainer, result: dict) -> dict:
         model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
     summary = {
         **result,
-        "val": ev.metrics(classes) if ev is not None else None,
+        "val": ev.compute() if ev is not None else None,
         "best_step": t.ckpt.best.step,  # checkpoint.keep_best_by (null when off)
         "best_value": t.ckpt.best.value,
         "best_checkpoint": t.ckpt_store.url(step_dir(t.ckpt.best.step)) if t.ckpt.best.step else None,
@@ -180,8 +179,8 @@ def write_summary(t: Trainer, result: dict) -> dict:
     t.tracker.log({"summary/val_accuracy": result["val_accuracy"] or 0.0}, result["steps"])
     plot(goodput, os.path.join(run_dir, "goodput.png"))
     files = [(os.path.join(run_dir, "summary.json"), None), (os.path.join(run_dir, "goodput.png"), None)]
-    if ev is not None:  # the last evaluation: per-class table and confusion matrix
-        files += [(p, "evaluation") for p in write_report(ev, classes, os.path.join(run_dir, "evaluation"))]
+    if ev is not None:  # the last evaluation's report (classification: per-class table, confusion matrix)
+        files += [(p, "evaluation") for p in ev.report(os.path.join(run_dir, "evaluation"))]
     hydra_dir = os.path.join(run_dir, ".hydra")
 
     def upload():

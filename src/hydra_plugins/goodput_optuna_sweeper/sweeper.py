@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("hydra_plugins.goodput_optuna_sweeper")
 
-OBJECTIVE = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*|class/.+)$")  # summary.json's `val` keys
+OBJECTIVE = re.compile(r"^val/.+$")  # summary.json's `val` keys; which ones: the task's (objective_error)
 
 
 class OptunaSweeper(Sweeper):
@@ -41,7 +41,7 @@ class OptunaSweeper(Sweeper):
             # each trial returns summary.json's `val` entry of this name: another name is no objective
             raise ValueError(
                 f"hydra.sweeper.metric must be a metric the final evaluation logs (val/loss, "
-                f"val/accuracy, val/top<k>, val/class/<name>), got {metric!r}"
+                f"val/accuracy, ... : the task's), got {metric!r}"
             )
         if n_trials < 1 or n_jobs < 1:
             raise ValueError(f"hydra.sweeper.n_trials and n_jobs must be >= 1, got {n_trials}, {n_jobs}")
@@ -91,6 +91,11 @@ class OptunaSweeper(Sweeper):
 
         assert self.config is not None and self.launcher is not None
         c = self.config
+        wrong = objective_error(self.metric, c.task)
+        if wrong:
+            from goodput.config import ConfigError
+
+            raise ConfigError(wrong)
         space, fixed = self._space(arguments)
         d = _study.definition(space, fixed, self.metric, self.direction, c.run.name)
         name = self.study_name or _study.default_name(d)
@@ -238,3 +243,18 @@ def outcome(r, metric: str) -> tuple[str, float | None, str | None, dict | None]
     if v is None or isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
         return "failed", None, f"its summary has no {metric}", summary
     return "complete", float(v), None, summary
+
+
+def objective_error(metric: str, task_node) -> str | None:
+    """Why `metric` is no objective for the task `task_node` builds (None: it is one): each trial
+    returns summary.json's `val` entry of this name, which has the task's metrics (goodput.recipe.task
+    metric_modes) and a `val/class/<name>` per class."""
+    from hydra.utils import instantiate
+
+    modes = instantiate(task_node).metric_modes(None)
+    if metric in modes or metric.startswith("val/class/"):
+        return None
+    return (
+        f"hydra.sweeper.metric={metric} is not a metric the final evaluation logs: task "
+        f"{task_node['_target_']} logs {', '.join(modes)} and val/class/<name>"
+    )

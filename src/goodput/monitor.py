@@ -1,51 +1,22 @@
 """Watching one validation metric across evaluations: the best-so-far (checkpoint.keep_best_by) and
-early stopping (trainer.early_stopping_*). Both are Stateful parts of the checkpoint (global JSON,
-the same on every rank), so a resumed or resharded run continues the same comparison and stops at
-the same step as an uninterrupted one."""
+early stopping (trainer.early_stopping_*). Which metrics there are is the task's
+(goodput.recipe.task metric_modes; checked by goodput.config.monitors_logged). Both are Stateful
+parts of the checkpoint (global JSON, the same on every rank), so a resumed or resharded run
+continues the same comparison and stops at the same step as an uninterrupted one."""
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 
 from goodput.untrusted import RecordError, field
 
 log = logging.getLogger(__name__)
 
-_METRIC = re.compile(r"^val/(loss|accuracy|top[1-9][0-9]*)$")
-
-
-def check_metric(name: str | None, key: str) -> list[str]:
-    """A monitor must be a metric every evaluation logs: val/loss, val/accuracy or val/top<k>."""
-    if name is None or (isinstance(name, str) and _METRIC.match(name)):
-        return []
-    return [
-        f"{key} must be val/loss, val/accuracy or val/top<k> (a metric each evaluation logs), got {name!r}"
-    ]
-
-
-def check_logged(
-    name: str | None, key: str, eval_top_k: int | None, num_classes: int | None = None
-) -> list[str]:
-    """A val/top<k> monitor must be the top-k the evaluation logs (goodput.run.evaluate.default_top_k):
-    trainer.eval_top_k, or 5 when it is null and there are at least 5 classes (`num_classes`, when
-    known). Otherwise the first evaluation would fail, after training up to it."""
-    m = _METRIC.match(name) if isinstance(name, str) else None
-    if m is None or not m.group(1).startswith("top"):
-        return []
-    k, logged = int(m.group(1)[3:]), eval_top_k if eval_top_k is not None else 5
-    if num_classes is not None and eval_top_k is None and num_classes < 5:
-        return [f"{key}={name}: with {num_classes} classes no top-k is logged (set trainer.eval_top_k={k})"]
-    if k != logged:
-        return [
-            f"{key}={name} is never logged: evaluation logs val/top{logged} (trainer.eval_top_k={eval_top_k})"
-        ]
-    return []
-
 
 def mode_of(name: str | None, mode: str | None) -> str:
-    """`max` or `min`; null = from the name (a loss falls, an accuracy rises)."""
+    """`max` or `min`; null = from the name (a loss falls, anything else rises). The Trainer gives
+    the task's own mode of a metric (goodput.recipe.task metric_modes) where the config says none."""
     if mode is not None:
         return mode
     return "min" if name is not None and name.endswith("loss") else "max"
@@ -69,10 +40,15 @@ class Best:
     """The best evaluation so far of metric `by` (None = off): its step and value."""
 
     def __init__(self, by: str | None, mode: str | None):
-        self.by, self.mode = by, mode_of(by, mode)
+        self.by, self.mode, self._given = by, mode_of(by, mode), mode
         self.step: int | None = None
         self.value: float | None = None
         self.last: tuple[int, float] | None = None  # the newest evaluation (its commit records it)
+
+    def take_modes(self, modes: dict[str, str]) -> None:
+        """Where checkpoint.keep_best_mode is null: the task's mode of the metric (metric_modes)."""
+        if self._given is None and self.by in modes:
+            self.mode = modes[self.by]
 
     def observe(self, metrics: dict, step: int) -> bool:
         """Record an evaluation; True when it is a new best (the step is then worth a checkpoint)."""
