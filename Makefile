@@ -32,6 +32,9 @@ venv: $(STAMP)  ## create .venv and install (torch 2.14.1, torchvision 0.29.1, -
 train: $(STAMP)  ## run the default job (experiment=demo); extra overrides: make train ARGS="seed=2"
 	$(BIN)/python scripts/train.py $(ARGS)
 
+check: $(STAMP)  ## is resume exact after your edit? your config killed and resumed (ARGS="experiment=smoke ...")
+	$(BIN)/python scripts/check.py $(ARGS)
+
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

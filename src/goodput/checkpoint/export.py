@@ -82,6 +82,27 @@ def model_state(store: Storage, rec: dict, weights: str = "model") -> dict[str, 
         return {k[len(prefix) :]: v for k, v in sd.items()}
 
 
+def full_state(store: Storage, rec: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of commit `rec`, full (unsharded), by its checkpoint key (`model.*`, `optim.*`,
+    `extra.*`, `rank<r>.*`: goodput.checkpoint.state), whatever the backend, each file checked
+    against the record: what scripts/check.py compares, key by key."""
+    rel = rec.get("dir") or step_dir(rec["step"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, want in rec["files"].items():
+            got = store.get(f"{rel}/{name}", os.path.join(tmp, name), limit=want["bytes"])
+            if got.size != want["bytes"] or got.digest != want[CHECKSUM]:
+                raise CorruptCheckpoint(f"{store.url(f'{rel}/{name}')} does not match its commit record")
+        if rec["format"] == "torch_save":
+            return _flat(torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=True))
+        return _read_group(tmp, rec, "")
+
+
+def _flat(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree} if isinstance(tree, torch.Tensor) else {}
+
+
 def _read_group(tmp: str, rec: dict, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix` of the verified files of commit `rec`, downloaded to `tmp`."""
     if rec["format"] == "torch_save":
