@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -387,7 +388,7 @@ def test_the_planner_writes_the_buffers_from_the_lowest_rank_and_spreads_the_res
         ("junk", False),
     ],
 )
-def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path, dist1, saved, stops):
+def test_a_commit_of_other_classes_stops_the_restore_once_its_bytes_verify(tmp_path, dist1, saved, stops):
     from goodput.errors import IncompatibleCheckpoint
 
     m = manager(tmp_path, "dcp_sync", dist1)
@@ -407,8 +408,31 @@ def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path,
     m.close()
 
 
+def test_a_commit_of_other_classes_whose_bytes_do_not_verify_is_skipped_not_refused(tmp_path, dist1):
+    """Its class list decides nothing: a junk step dir (sizes right, checksums wrong) with an edited
+    class list falls back to the commit before it, as any corrupt commit does."""
+    m = manager(tmp_path, "dcp_sync", dist1)
+    m.commit_info["model"] = {"classes": ["cat", "dog"]}
+    app = make_app(1)[0]
+    for step in (1, 2):
+        m.save(step, app)
+        m.wait()
+    junk, good = m.committed()
+    shard = tmp_path / "remote" / junk["dir"] / next(n for n in junk["files"] if n.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "staging" / junk["dir"])  # no node-local copy to serve it
+    rec, skipped = m.restore(app, [{**junk, "model": {"classes": ["cat", "cow"]}}, good])
+    assert (
+        rec["step"] == 1 and len(skipped) == 1 and "step-000000002" in skipped[0] and "cow" not in skipped[0]
+    )
+    m.close()
+
+
 def _classes_rank(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks restoring a commit whose classes only rank 1's data lacks."""
+    import torch.distributed as dist
     from helpers import end_gloo_rank
 
     from goodput.errors import IncompatibleCheckpoint
@@ -419,17 +443,16 @@ def _classes_rank(rank: int, port: int, out: str) -> None:
     remote = os.path.join(out, "remote")
     node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS['dcp_sync'].__name__}"}
     cfg = CheckpointConfig(node, remote, f"{out}/staging{rank}", None, None, 3)
-    m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, rank, pg=d.ckpt_pg)
+    # two nodes (a staging dir each): each rank fetches and verifies its own copy
+    m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, 0, pg=d.ckpt_pg)
+    m.commit_info["model"] = {"classes": ["cat", "dog"]}
+    app = make_app(1)[0]
+    m.save(1, app)  # a real commit: the classes are checked once its bytes verify
+    m.wait()
+    dist.barrier()
     m.commit_info["model"] = {"classes": ["cat", "dog"] + (["zebra"] if rank == 1 else [])}
-    rec = {
-        "dir": "step-000000001",
-        "step": 1,
-        "format": "dcp",
-        "world_size": 2,
-        "model": {"classes": ["cat", "dog"]},
-    }
     try:
-        m.restore(make_app(1)[0], [rec])
+        m.restore(app, m.committed())
         said = "restored"
     except IncompatibleCheckpoint as e:
         said = f"refused: {e}"
