@@ -236,6 +236,7 @@ def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store,
         store.prepare(f"run.name={c.run.name}", "model.width=16", "optim.optimizer.lr=0.05")
     assert isinstance(e.value, UserError)  # scripts/train.py: one line, exit 2
     msg = str(e.value)
+    assert f"(its commit {c.checkpoint.dir}/step-000000004)" in msg  # the step dir that decided
     assert "model.width (the run: 32, this launch: 16)" in msg
     assert "optim.optimizer.lr (the run: 0.1, this launch: 0.05)" in msg and "run.allow_config_change" in msg
     assert {r.info.run_id for r in store.runs()} == before  # no MLflow run opened
