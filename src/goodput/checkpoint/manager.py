@@ -493,8 +493,8 @@ class CheckpointManager:
 
         Collective: all ranks call it with the same candidates and make the same collective calls
         whatever fails where: agree the files are here (every byte verified), agree on the classes,
-        build the template (collective under FSDP),
-        agree the files are readable and fit, run the collective load, agree it applied. A
+        build the template (collective under FSDP), agree the files are readable and fit, run the
+        collective load, agree it applied. A
         checkpoint that is intact but belongs to another setup (IncompatibleCheckpoint: the dataset
         changed, another seed or global batch) stops every rank: falling back would silently restart."""
         skipped = []
