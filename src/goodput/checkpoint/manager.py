@@ -538,8 +538,9 @@ class CheckpointManager:
                     raise
                 err = e
             if self._any(isinstance(err, IncompatibleCheckpoint)):
+                why = err or "refused on another rank (its log says why)"
                 raise IncompatibleCheckpoint(
-                    f"{self.storage.url(rec['dir'])} cannot continue this run: {err or 'see rank 0'}"
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {why}"
                 ) from err
             if self._agree(err is None):
                 self.last_committed_step = rec["step"]
