@@ -430,10 +430,11 @@ def test_a_commit_of_other_classes_whose_bytes_do_not_verify_is_skipped_not_refu
     m.close()
 
 
-def _one_rank_differs(rank: int, port: int, out: str, what: str) -> None:
+def _one_rank_differs(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks (two nodes: a staging dir and a data copy each) restoring a commit that
-    only rank 1's data contradicts: its classes (`what="classes"`), or its training images replaced
-    in place under the same names (`what="data"`: the job's loader, registered as the job does)."""
+    only rank 1's view contradicts: first its classes, then its training images, replaced in place
+    under the same names (the job's loader, registered as the job does). What each restore said
+    goes to `<out>/rank<r>-<what>`."""
     import torch.distributed as dist
     from helpers import end_gloo_rank
 
@@ -448,56 +449,46 @@ def _one_rank_differs(rank: int, port: int, out: str, what: str) -> None:
     node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS['dcp_sync'].__name__}"}
     cfg = CheckpointConfig(node, remote, f"{out}/staging{rank}", None, None, 3)
     m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, 0, pg=d.ckpt_pg)
-    m.commit_info["model"] = {"classes": ["cat", "dog"]}
+    classes = {"classes": ["cat", "dog"]}
+    m.commit_info["model"] = classes
     app = make_app(1)[0]
     app.rank = rank
-    if what == "data":
-        root = os.path.join(out, f"data{rank}")
-        dc = DataConfig(
-            source={"_target_": "goodput.data.sources.RemoteSource"}, root=root, image_size=16,
-            num_workers=0, cache_dir=os.path.join(out, f"cache{rank}"),
-        )  # fmt: skip
-        app.register("data", ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu")))
+    root = os.path.join(out, f"data{rank}")
+    dc = DataConfig(
+        source={"_target_": "goodput.data.sources.RemoteSource"}, root=root, image_size=16,
+        num_workers=0, cache_dir=os.path.join(out, f"cache{rank}"),
+    )  # fmt: skip
+    app.register("data", ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu")))
     m.save(1, app)  # a real commit: what it records is checked once its bytes verify
     m.wait()
     dist.barrier()
-    if rank == 1 and what == "classes":
-        m.commit_info["model"] = {"classes": ["cat", "dog", "zebra"]}
-    if rank == 1 and what == "data":
-        files = app.parts["data"].files.files
-        for a, b in zip(files, files[1:] + files[:1]):  # each image's bytes now its neighbour's
-            shutil.copyfile(os.path.join(out, "data0", b), os.path.join(root, a))
-        app.parts["data"] = ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu"))
-    try:
-        m.restore(app, m.committed())
-        said = "restored"
-    except IncompatibleCheckpoint as e:
-        said = f"refused: {e}"
-    except Exception as e:  # a collective one rank left: not the refusal
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out, f"rank{rank}"), "w") as f:
-        f.write(said)
+    for what in ("classes", "data"):
+        m.commit_info["model"] = (
+            {"classes": ["cat", "dog", "zebra"]} if rank == 1 and what == "classes" else classes
+        )
+        if rank == 1 and what == "data":
+            files = app.parts["data"].files.files
+            for a, b in zip(files, files[1:] + files[:1]):  # each image's bytes now its neighbour's
+                shutil.copyfile(os.path.join(out, "data0", b), os.path.join(root, a))
+            app.parts["data"] = ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu"))
+        try:
+            m.restore(app, m.committed())
+            said = "restored"
+        except IncompatibleCheckpoint as e:
+            said = f"refused: {e}"
+        except Exception as e:  # a collective one rank left: not the refusal
+            said = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"rank{rank}-{what}"), "w") as f:
+            f.write(said)
     end_gloo_rank()
 
 
 @pytest.mark.slow
-def test_classes_that_differ_on_one_rank_stop_every_rank_with_the_refusal(tmp_path):
-    """Each rank lists the data itself: when only rank 1's classes differ from the commit's, rank 0
-    must not go on into the load's collectives alone (a hang, or a peer's broken connection)."""
-    import torch.multiprocessing as mp
-
-    from goodput.parallel import free_port
-
-    mp.spawn(_one_rank_differs, args=(free_port(), str(tmp_path), "classes"), nprocs=2)
-    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
-    assert got[0].startswith("refused:") and "differ from the checkpoint's on another rank" in got[0], got
-    assert got[1].startswith("refused:") and "the data has 3 (cat, dog, zebra)" in got[1], got
-
-
-@pytest.mark.slow
-def test_data_replaced_in_place_on_one_rank_stops_every_rank_with_the_refusal(tmp_path):
+def test_what_only_one_rank_sees_differ_stops_every_rank_with_the_refusal(tmp_path):
     """Each rank lists the data itself (a node's own mount, a stale copy): when only rank 1's
-    training images were replaced in place under the same names, every rank stops, none loads on."""
+    classes differ from the commit's, or only its training images were replaced in place under the
+    same names, rank 0 must not go on into the load's collectives alone (a hang, or a peer's broken
+    connection), nor load on: every rank stops with the refusal."""
     import torch.multiprocessing as mp
 
     from goodput.data.synthetic import make_dataset
@@ -505,7 +496,11 @@ def test_data_replaced_in_place_on_one_rank_stops_every_rank_with_the_refusal(tm
 
     make_dataset(str(tmp_path / "data0"), num_classes=2, train_per_class=8, val_per_class=1, image_size=16)
     shutil.copytree(tmp_path / "data0", tmp_path / "data1")
-    mp.spawn(_one_rank_differs, args=(free_port(), str(tmp_path), "data"), nprocs=2)
-    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
-    assert got[0].startswith("refused:") and "refused on another rank" in got[0], got
-    assert got[1].startswith("refused:") and "files were replaced in place" in got[1], got
+    mp.spawn(_one_rank_differs, args=(free_port(), str(tmp_path)), nprocs=2)
+    got = {w: [(tmp_path / f"rank{r}-{w}").read_text() for r in range(2)] for w in ("classes", "data")}
+    said = got["classes"]
+    assert said[0].startswith("refused:") and "differ from the checkpoint's on another rank" in said[0], got
+    assert said[1].startswith("refused:") and "the data has 3 (cat, dog, zebra)" in said[1], got
+    said = got["data"]
+    assert said[0].startswith("refused:") and "refused on another rank" in said[0], got
+    assert said[1].startswith("refused:") and "files were replaced in place" in said[1], got
