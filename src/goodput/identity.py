@@ -14,10 +14,12 @@ checks docs/config.md's table against `markdown_table()`).
 The digest is over the identity keys' values as composed, with one rule for interpolations: a
 value that refers to a key which is not an identity key is taken as written, not resolved.
 `optim.schedule.total_steps: ${trainer.max_steps}` is "the run's end", so raising max_steps keeps
-the name; `data.root: ${paths.data_dir}` is "the demo data", wherever paths.root is. Keys whose
-value is null, or the value in NEUTRAL (what trains as runs trained before the key existed), are
-left out, so a key or group added later with its neutral default keeps every existing run's name;
-a class that moved is hashed by the name runs knew it by (MOVED).
+the name; `data.root: ${paths.data_dir}` is "the demo data", wherever paths.root is. A relative
+local path in `data.root` or `run.init_from` counts as the absolute path the job opens (`_opened`):
+the same command from another working directory reads other files. Keys whose value is null, or
+the value in NEUTRAL (what trains as runs trained before the key existed), are left out, so a key
+or group added later with its neutral default keeps every existing run's name; a class that moved
+is hashed by the name runs knew it by (MOVED).
 
 The resolver (`resolve`) is registered with the schemas by goodput.config.register, which Hydra's
 plugin discovery runs (hydra_plugins.goodput_config), so `hydra.compose` sees it from anywhere. No
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 from typing import Any
@@ -219,6 +222,10 @@ KEYS = {k.removesuffix(".*"): ident for k, ident, _ in TABLE if not k.endswith("
 NODES = {k.removesuffix(".*"): ident for k, ident, _ in TABLE if k.endswith(".*")}
 
 _REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b.c}; resolvers (${oc.env:..}) are not keys
+# Keys whose value is a path the job opens, a local one relative to its working directory: hashed as
+# opened (`_opened`), so the same relative path from two directories names two runs.
+PATHS = ("data.root", "run.init_from")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # s3://, memory://, file://; models:/ ...
 _busy = threading.local()
 
 
@@ -254,13 +261,28 @@ def leaves(node: Any, path: str = ""):
 
 
 def _value(cfg, key: str, raw: Any) -> Any:
-    """An identity key's value: as written when it refers to a key that is not identity, else resolved."""
+    """An identity key's value: as written when it refers to a key that is not identity, else resolved
+    (a local path of PATHS: as the job opens it)."""
     if not (isinstance(raw, str) and "${" in raw):
-        return raw
+        return _opened(raw) if key in PATHS else raw
     if any(not is_identity(ref) for ref in _REF.findall(raw)):
         return raw
     value = OmegaConf.select(cfg, key, throw_on_missing=False)
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return _opened(value) if key in PATHS else value
+
+
+def _opened(value: Any) -> Any:
+    """A relative local path as the job opens it (fsspec's rule: `~` expanded, then from the working
+    directory), `file://` ones too; an absolute path, a URL and any other value unchanged, so the
+    names of existing runs (which name their data by absolute path or URL) stay the same."""
+    if not isinstance(value, str) or not value:
+        return value
+    prefix = "file://" if value.startswith("file://") else ""
+    path = value[len(prefix) :]
+    if (_SCHEME.match(path) and not prefix) or os.path.isabs(path):
+        return value
+    return prefix + os.path.abspath(os.path.expanduser(path))
 
 
 def keys(cfg) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -387,7 +388,7 @@ def test_the_planner_writes_the_buffers_from_the_lowest_rank_and_spreads_the_res
         ("junk", False),
     ],
 )
-def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path, dist1, saved, stops):
+def test_a_commit_of_other_classes_stops_the_restore_once_its_bytes_verify(tmp_path, dist1, saved, stops):
     from goodput.errors import IncompatibleCheckpoint
 
     m = manager(tmp_path, "dcp_sync", dist1)
@@ -407,10 +408,38 @@ def test_a_commit_of_other_classes_stops_the_restore_before_reading_it(tmp_path,
     m.close()
 
 
-def _classes_rank(rank: int, port: int, out: str) -> None:
-    """One of two gloo ranks restoring a commit whose classes only rank 1's data lacks."""
+def test_a_commit_of_other_classes_whose_bytes_do_not_verify_is_skipped_not_refused(tmp_path, dist1):
+    """Its class list decides nothing: a junk step dir (sizes right, checksums wrong) with an edited
+    class list falls back to the commit before it, as any corrupt commit does."""
+    m = manager(tmp_path, "dcp_sync", dist1)
+    m.commit_info["model"] = {"classes": ["cat", "dog"]}
+    app = make_app(1)[0]
+    for step in (1, 2):
+        m.save(step, app)
+        m.wait()
+    junk, good = m.committed()
+    shard = tmp_path / "remote" / junk["dir"] / next(n for n in junk["files"] if n.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "staging" / junk["dir"])  # no node-local copy to serve it
+    rec, skipped = m.restore(app, [{**junk, "model": {"classes": ["cat", "cow"]}}, good])
+    assert (
+        rec["step"] == 1 and len(skipped) == 1 and "step-000000002" in skipped[0] and "cow" not in skipped[0]
+    )
+    m.close()
+
+
+def _one_rank_differs(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks (two nodes: a staging dir and a data copy each) restoring a commit that
+    only rank 1's view contradicts: first its classes, then its training images, replaced in place
+    under the same names (the job's loader, registered as the job does). What each restore said
+    goes to `<out>/rank<r>-<what>`."""
+    import torch.distributed as dist
     from helpers import end_gloo_rank
 
+    from goodput.data.config import DataConfig
+    from goodput.data.loader import ResumableLoader
     from goodput.errors import IncompatibleCheckpoint
     from goodput.parallel import init_distributed
 
@@ -419,36 +448,59 @@ def _classes_rank(rank: int, port: int, out: str) -> None:
     remote = os.path.join(out, "remote")
     node = {"_target_": f"goodput.checkpoint.backends.{BACKENDS['dcp_sync'].__name__}"}
     cfg = CheckpointConfig(node, remote, f"{out}/staging{rank}", None, None, 3)
-    m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, rank, pg=d.ckpt_pg)
-    m.commit_info["model"] = {"classes": ["cat", "dog"] + (["zebra"] if rank == 1 else [])}
-    rec = {
-        "dir": "step-000000001",
-        "step": 1,
-        "format": "dcp",
-        "world_size": 2,
-        "model": {"classes": ["cat", "dog"]},
-    }
-    try:
-        m.restore(make_app(1)[0], [rec])
-        said = "restored"
-    except IncompatibleCheckpoint as e:
-        said = f"refused: {e}"
-    except Exception as e:  # a collective one rank left: not the refusal
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out, f"rank{rank}"), "w") as f:
-        f.write(said)
+    m = CheckpointManager(cfg, Storage(remote), BACKENDS["dcp_sync"](), rank, 2, 0, pg=d.ckpt_pg)
+    classes = {"classes": ["cat", "dog"]}
+    m.commit_info["model"] = classes
+    app = make_app(1)[0]
+    app.rank = rank
+    root = os.path.join(out, f"data{rank}")
+    dc = DataConfig(
+        source={"_target_": "goodput.data.sources.RemoteSource"}, root=root, image_size=16,
+        num_workers=0, cache_dir=os.path.join(out, f"cache{rank}"),
+    )  # fmt: skip
+    app.register("data", ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu")))
+    m.save(1, app)  # a real commit: what it records is checked once its bytes verify
+    m.wait()
+    dist.barrier()
+    for what in ("classes", "data"):
+        m.commit_info["model"] = (
+            {"classes": ["cat", "dog", "zebra"]} if rank == 1 and what == "classes" else classes
+        )
+        if rank == 1 and what == "data":
+            files = app.parts["data"].files.files
+            for a, b in zip(files, files[1:] + files[:1]):  # each image's bytes now its neighbour's
+                shutil.copyfile(os.path.join(out, "data0", b), os.path.join(root, a))
+            app.parts["data"] = ResumableLoader(dc, Storage(root), 5, 8, 4, rank, 2, torch.device("cpu"))
+        try:
+            m.restore(app, m.committed())
+            said = "restored"
+        except IncompatibleCheckpoint as e:
+            said = f"refused: {e}"
+        except Exception as e:  # a collective one rank left: not the refusal
+            said = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"rank{rank}-{what}"), "w") as f:
+            f.write(said)
     end_gloo_rank()
 
 
 @pytest.mark.slow
-def test_classes_that_differ_on_one_rank_stop_every_rank_with_the_refusal(tmp_path):
-    """Each rank lists the data itself: when only rank 1's classes differ from the commit's, rank 0
-    must not go on into the load's collectives alone (a hang, or a peer's broken connection)."""
+def test_what_only_one_rank_sees_differ_stops_every_rank_with_the_refusal(tmp_path):
+    """Each rank lists the data itself (a node's own mount, a stale copy): when only rank 1's
+    classes differ from the commit's, or only its training images were replaced in place under the
+    same names, rank 0 must not go on into the load's collectives alone (a hang, or a peer's broken
+    connection), nor load on: every rank stops with the refusal."""
     import torch.multiprocessing as mp
 
+    from goodput.data.synthetic import make_dataset
     from goodput.parallel import free_port
 
-    mp.spawn(_classes_rank, args=(free_port(), str(tmp_path)), nprocs=2)
-    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
-    assert got[0].startswith("refused:") and "differ from the checkpoint's on another rank" in got[0], got
-    assert got[1].startswith("refused:") and "the data has 3 (cat, dog, zebra)" in got[1], got
+    make_dataset(str(tmp_path / "data0"), num_classes=2, train_per_class=8, val_per_class=1, image_size=16)
+    shutil.copytree(tmp_path / "data0", tmp_path / "data1")
+    mp.spawn(_one_rank_differs, args=(free_port(), str(tmp_path)), nprocs=2)
+    got = {w: [(tmp_path / f"rank{r}-{w}").read_text() for r in range(2)] for w in ("classes", "data")}
+    said = got["classes"]
+    assert said[0].startswith("refused:") and "differ from the checkpoint's on another rank" in said[0], got
+    assert said[1].startswith("refused:") and "the data has 3 (cat, dog, zebra)" in said[1], got
+    said = got["data"]
+    assert said[0].startswith("refused:") and "refused on another rank" in said[0], got
+    assert said[1].startswith("refused:") and "files were replaced in place" in said[1], got

@@ -116,6 +116,34 @@ def test_the_name_is_the_experiment_plus_the_digest_of_the_identity_keys():
     assert name_of("experiment=demo").startswith("demo-")
 
 
+def test_existing_names_are_kept():
+    """Run names are how a relaunch finds its checkpoints: a change to what is hashed must not rename
+    an existing run. The smoke default's name, and the values behind the names of the demo data
+    (`${paths.data_dir}` as written: paths.root may move) and of an absolute data.root or URL."""
+    cfg = composed()
+    assert cfg.run.name == "smoke-2e89dea7" and identity.digest(identity.keys(cfg)) == "2e89dea7"
+    assert identity.keys(cfg)["data.root"] == "${paths.data_dir}"
+    for root in ("/data/flowers", "s3://bucket/flowers", "memory://flowers"):
+        assert identity.keys(composed(f"data.root={root}"))["data.root"] == root
+
+
+@pytest.mark.parametrize("key", ["data.root", "run.init_from"])
+def test_a_relative_path_names_what_it_opens_from_this_directory(tmp_path, monkeypatch, key):
+    """The job opens a relative data.root (run.init_from) from its working directory: the same
+    command from two directories trains on two datasets (starts from two checkpoints), so it names
+    two runs; each the run that the absolute path names."""
+    names = {}
+    for where in ("a", "b"):
+        (tmp_path / where / "mine").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / where)
+        names[where] = name_of(f"{key}=mine")
+        assert names[where] == name_of(f"{key}={tmp_path / where / 'mine'}")
+        assert name_of(f"{key}=./mine/") == names[where]  # spelled otherwise, the same folder
+    assert names["a"] != names["b"]
+    monkeypatch.setenv("HOME", str(tmp_path / "a"))
+    assert name_of(f"{key}='~/mine'") == names["a"]  # expanded as fsspec does
+
+
 SAME_RUN = [
     "checkpoint=torch_save", "parallel=ddp", "data=remote", "fault.kill_at_step=3", "trainer.max_steps=99",
     "paths.root=/elsewhere", "mlflow.log_model=final", "data.num_workers=3", "trainer.eval_every_n_steps=5",
@@ -237,6 +265,7 @@ def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store,
         store.prepare(f"run.name={c.run.name}", "model.width=16", "optim.optimizer.lr=0.05")
     assert isinstance(e.value, UserError)  # scripts/train.py: one line, exit 2
     msg = str(e.value)
+    assert f"(its commit {c.checkpoint.dir}/step-000000004)" in msg  # the step dir that decided
     assert "model.width (the run: 32, this launch: 16)" in msg
     assert "optim.optimizer.lr (the run: 0.1, this launch: 0.05)" in msg and "run.allow_config_change" in msg
     assert {r.info.run_id for r in store.runs()} == before  # no MLflow run opened

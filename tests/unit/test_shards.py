@@ -93,6 +93,7 @@ def test_full_shuffle_is_the_per_file_order(folder, packed, tmp_path):
         assert torch.equal(x, y)
     assert a.chain.hexdigest == b.chain.hexdigest
     assert a.files.fingerprint == b.files.fingerprint  # checkpoints move between backends
+    assert a.state_dict()["sizes_sha256"] == b.state_dict()["sizes_sha256"]  # (a resume checks both)
 
 
 def test_block_order_is_pure_and_local(packed):

@@ -492,8 +492,9 @@ class CheckpointManager:
         """Load the first candidate that loads on *every* rank. Returns (record, skipped reasons).
 
         Collective: all ranks call it with the same candidates and make the same collective calls
-        whatever fails where: agree the files are here, build the template (collective under FSDP),
-        agree the files are readable and fit, run the collective load, agree it applied. A
+        whatever fails where: agree the files are here (every byte verified), agree on the classes,
+        build the template (collective under FSDP), agree the files are readable and fit, run the
+        collective load, agree it applied. A
         checkpoint that is intact but belongs to another setup (IncompatibleCheckpoint: the dataset
         changed, another seed or global batch) stops every rank: falling back would silently restart."""
         skipped = []
@@ -502,12 +503,6 @@ class CheckpointManager:
             skipped.append(f"{rec['dir']}: {err!r}" if err else f"{rec['dir']}: failed on another rank")
 
         for rec in candidates:
-            other = _other_classes(rec.get("model"), self.commit_info.get("model"))
-            if self._any(bool(other)):  # decided together: each rank listed the data itself
-                why = other or "the data's classes differ from the checkpoint's on another rank"
-                raise IncompatibleCheckpoint(
-                    f"{self.storage.url(rec['dir'])} cannot continue this run: {why}"
-                )
             err, local = None, None
             reader = READERS[rec["format"]]()
             try:
@@ -517,6 +512,16 @@ class CheckpointManager:
             if not self._agree(err is None):
                 fail(rec, err)
                 continue
+            # Decided on the commit whose bytes verified (its record is all that says which classes):
+            # a junk step dir ahead with an edited class list is skipped above, never blamed on the data.
+            other = _other_classes(rec.get("model"), self.commit_info.get("model"))
+            if self._any(bool(other)):  # decided together: each rank listed the data itself
+                if self.local_rank == 0:
+                    shutil.rmtree(local, ignore_errors=True)
+                why = other or "the data's classes differ from the checkpoint's on another rank"
+                raise IncompatibleCheckpoint(
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {why}"
+                )
             template = app.template(reader.options, rec["world_size"], rec.get("parts"))
             try:
                 sd = reader.prepare_load(template, local)
@@ -533,8 +538,9 @@ class CheckpointManager:
                     raise
                 err = e
             if self._any(isinstance(err, IncompatibleCheckpoint)):
+                why = err or "refused on another rank (its log says why)"
                 raise IncompatibleCheckpoint(
-                    f"{self.storage.url(rec['dir'])} cannot continue this run: {err or 'see rank 0'}"
+                    f"{self.storage.url(rec['dir'])} cannot continue this run: {why}"
                 ) from err
             if self._agree(err is None):
                 self.last_committed_step = rec["step"]

@@ -97,8 +97,9 @@ def prepare(
     view = build.checkpoint_commits(c)  # read-only: no backend, no staging dir from this process
     committed = view.committed()
     # A changed identity is refused before any work (the demo data, the run lock): the commit
-    # records say what the run was trained with. _prepare_run checks again the commit it continues.
-    early = _continued_record(c, view, committed)
+    # records say what the run was trained with, and by which code, once the bytes of the one deciding
+    # verify. _prepare_run checks again the commit it continues.
+    early = _deciding_record(c, ctx, view, committed)
     check_identity(c, ctx, early, view.storage, quiet=True)
     check_code(c, ctx, early, view.storage, quiet=True)
     if leader:
@@ -155,8 +156,9 @@ def _prepare_run(
     # "Already done" and the MLflow run to continue come from the newest commit whose bytes verify:
     # a junk step far ahead (sizes right, checksums wrong) must not end the job with "nothing to do".
     newest = view.newest_verified(committed) if resume == "auto" and committed else None
-    check_identity(c, ctx, explicit or newest, store)  # before any work: the refusal is exit 2
-    check_code(c, ctx, explicit or newest, store)
+    deciding = newest if explicit is None else _verified_if_refused(c, ctx, view, explicit)
+    check_identity(c, ctx, deciding, store)  # before any work: the refusal is exit 2
+    check_code(c, ctx, deciding, store)
     m = c.mlflow
     if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
         close_leftovers(m.tracking_uri, m.experiment, store.url())
@@ -283,6 +285,49 @@ def _continued_record(c: Config, view, committed: list) -> dict | None:
     return committed[0] if committed else None
 
 
+def _refuses(c: Config, ctx: RunContext, rec: dict | None) -> bool:
+    """Whether check_identity or check_code would refuse `rec` (from its record alone)."""
+    theirs = rec and rec.get("identity")
+    other_keys = (
+        bool(theirs)
+        and not c.run.allow_config_change
+        and bool(identity.differences(theirs["keys"], ctx.identity["keys"]))
+    )
+    other_code = (
+        rec is not None
+        and not c.run.allow_code_change
+        and bool(provenance.changed(rec.get("code"), ctx.code))
+    )
+    return other_keys or other_code
+
+
+def _verified_if_refused(c: Config, ctx: RunContext, view, rec: dict) -> dict | None:
+    """`rec` when its record agrees with this launch (nothing to refuse: no byte read) or its bytes
+    verify; else None, with a warning naming it: a step dir whose bytes do not verify refuses
+    nothing (a junk copy with an edited identity record); loading it fails on its own."""
+    if not _refuses(c, ctx, rec):
+        return rec
+    why = view.verify(rec)
+    if why is None:
+        return rec
+    log.warning("not trusting %s: %s", view.storage.url(rec["dir"]), why)
+    return None
+
+
+def _deciding_record(c: Config, ctx: RunContext, view, committed: list) -> dict | None:
+    """The commit record the early identity check decides on. The records alone (no byte read) while
+    the one the launch would continue agrees with this launch: the usual relaunch costs nothing
+    here. One that would refuse counts only once its bytes verify: with resume=auto the newest
+    commit that verifies decides instead (a junk step far ahead, sizes right and checksums wrong,
+    with an edited identity record, is skipped as any corrupt commit is)."""
+    rec = _continued_record(c, view, committed)
+    if not _refuses(c, ctx, rec):
+        return rec
+    if str(c.run.resume) == "auto":
+        return view.newest_verified(committed)
+    return _verified_if_refused(c, ctx, view, rec)
+
+
 def check_identity(c: Config, ctx: RunContext, rec: dict | None, store, quiet: bool = False) -> None:
     """The commit a launch would continue was trained with this launch's identity keys; if not, the
     launch is refused naming each key with both values, unless run.allow_config_change (a warning).
@@ -304,9 +349,10 @@ def check_identity(c: Config, ctx: RunContext, rec: dict | None, store, quiet: b
         return
     if not allow:
         raise IdentityChanged(
-            f"run '{c.run.name}' ({store.url()}) was trained with other identity keys than this launch: "
-            f"{identity.describe(diff)}. Leave run.name unset (a new run, named by what it trains), "
-            f"choose another run.name, or set run.allow_config_change=true to continue it anyway"
+            f"run '{c.run.name}' was trained with other identity keys than this launch (its commit "
+            f"{store.url(rec['dir'])}): {identity.describe(diff)}. Leave run.name unset (a new run, "
+            f"named by what it trains), choose another run.name, or set run.allow_config_change=true "
+            f"to continue it anyway"
         )
     if not quiet:
         log.warning(
