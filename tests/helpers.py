@@ -456,3 +456,24 @@ def end_gloo_rank() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+class PyRandomShift:
+    """An augmentation of a researcher's own that draws from Python's `random` and NumPy's global
+    generator, not torch's: exact at any worker count only because the engine seeds both per sample
+    (goodput.data.dataset.seeded)."""
+
+    def __call__(self, img):
+        import random
+
+        import numpy as np
+        import torch
+
+        return torch.roll(img, shifts=(int(np.random.randint(-3, 4)), random.randint(-3, 3)), dims=(-2, -1))
+
+
+# augment.train with PyRandomShift, ending at the smoke runs' 16 x 16
+PY_RANDOM_AUGMENT = (
+    "augment.train=[{_target_:helpers.PyRandomShift},"
+    "{_target_:torchvision.transforms.v2.Resize,size:[16,16]}]"
+)

@@ -304,6 +304,34 @@ def optim_errors(optim: dict) -> list[str]:
     return []
 
 
+def _shard_plan_errors(c: dict, strategy: str) -> list[str]:
+    """A model without a shard plan under a strategy that shards block by block: refused now, from
+    the model built on the meta device (no memory, no weights), not in every rank after the data."""
+    import torch
+
+    from goodput.recipe.models import missing_plan
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(c["model"], num_classes=c["demo_data"]["num_classes"])
+    except Exception:  # a model that cannot be built so: the workers' build says why
+        return []
+    why = missing_plan(model, c["model"].get("_target_"), c["parallel"].get("shard_units"))
+    return [f"parallel.strategy {strategy}: {why}"] if why else []
+
+
+def _loss_errors(task) -> list[str]:
+    """task.loss called once on a stand-in batch (2 samples, 3 classes, probabilities as targets):
+    what a loss checks only when called (torch's label_smoothing range) fails now, not at step 1."""
+    import torch
+
+    try:
+        task.loss(torch.zeros(2, 3), torch.full((2, 3), 1 / 3))
+    except Exception as e:
+        return [f"task.loss: {e}"]
+    return []
+
+
 def _cause(e: BaseException) -> str:
     """What a constructor said, not Hydra's wrapper around it (InstantiationException: 'Error in
     call to target ...' with the cause's message inside)."""
@@ -387,6 +415,8 @@ def validate(c: dict) -> Config:
     if strategy is not None and strategy.shards_parameters and world <= 1:
         errors.append(f"parallel.strategy {name} shards parameters: it needs more than one process "
                       "(set parallel.nproc_per_node >= 2)")  # fmt: skip
+    if strategy is not None and strategy.shards_parameters and world > 1:
+        errors += _shard_plan_errors(c, name)
     if strategy is not None and strategy.shards_parameters and tr.get("channels_last"):
         errors.append(
             f"trainer.channels_last=true with parallel.strategy {name}: FSDP2 shards only contiguous "
@@ -420,6 +450,8 @@ def validate(c: dict) -> Config:
             recipe[key] = instantiate(c[key])
         except Exception as e:
             errors.append(f"{key}: {_cause(e)}")
+    if "task" in recipe:  # the loss on a stand-in batch: an argument it checks only when called
+        errors += _loss_errors(recipe["task"])
     mix = recipe.get("batch_augment")
     if mix is not None and getattr(mix, "active", True) and getattr(mix, "pairs", False):
         per_rank = gbs // world if isinstance(gbs, int) and world >= 1 else None

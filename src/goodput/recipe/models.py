@@ -70,6 +70,19 @@ def shard_plan(model: nn.Module, target: str | None, configured: list[str] | Non
     return ()
 
 
+def missing_plan(model: nn.Module, target: str | None, configured: list[str] | None) -> str | None:
+    """Why `model` cannot be sharded block by block (parallel=fsdp|hsdp), or None when it can."""
+    plan = shard_plan(model, target, configured)
+    if shard_units(model, plan):
+        return None
+    matching = f" matching parallel.shard_units={list(plan)}" if configured else ""
+    return (
+        f"model {target} has no shard plan{matching}: FSDP would gather all its parameters at once. Declare "
+        "`shard_units` on its class or register its builder in SHARD_PLANS (goodput/recipe/models.py), or "
+        "set parallel.shard_units (patterns of module names, e.g. '[layer*]')"
+    )
+
+
 def shard_units(model: nn.Module, plan: tuple[str, ...]) -> list[nn.Module]:
     """The submodules the plan's patterns match (those holding parameters), in module order."""
     out = []

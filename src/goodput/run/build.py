@@ -25,7 +25,7 @@ from goodput.data.loader import ResumableLoader, data_record, eval_loader
 from goodput.data.sampler import batch_seed
 from goodput.monitor import EarlyStopping
 from goodput.parallel import set_collective_timeout
-from goodput.recipe.models import shard_plan, shard_units
+from goodput.recipe.models import missing_plan, shard_plan
 from goodput.recipe.params import param_groups
 from goodput.resilience.accounting import Ledger
 from goodput.resilience.bookkeeping import Goodput
@@ -139,14 +139,9 @@ class Trainer:
         self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
         plan = shard_plan(model, c.model.get("_target_"), c.parallel.shard_units)
-        if strategy.shards_parameters and not shard_units(model, plan):
-            raise ConfigError(
-                f"parallel.strategy {c.parallel.strategy['_target_']} shards the model block by block, but "
-                f"model {c.model.get('_target_')} has no shard plan"
-                + (f" matching parallel.shard_units={list(plan)}" if plan else "")
-                + ": declare `shard_units` on its class or register its builder in SHARD_PLANS "
-                "(goodput/recipe/models.py), or set parallel.shard_units (patterns of module names)"
-            )
+        missing = missing_plan(model, c.model.get("_target_"), c.parallel.shard_units)
+        if strategy.shards_parameters and missing:  # (validate refused it already, on the meta device)
+            raise ConfigError(f"parallel.strategy {c.parallel.strategy['_target_']}: {missing}")
         ema = None
         sharding = {"plan": plan} if strategy.shards_parameters else {}  # (a strategy of yours needs none)
         if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
