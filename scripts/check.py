@@ -63,7 +63,9 @@ def main(argv=None) -> int:
             start(faulty, f"{killed}.log"),
         ]
         wait(both[0], a.timeout, "the uninterrupted run")
-        first = wait(both[1], a.timeout, "the killed run", expect_kill=True)
+        # killed: the process itself (one rank) or, under the elastic agent, the job exits non-zero
+        fired = os.path.join(killed, "checkpoints", "check", "faults", f"kill_at_step-{kill}.fired")
+        first = wait(both[1], a.timeout, "the killed run", killed=lambda: os.path.exists(fired))
         if first != 0:  # no restart inside the job (parallel.max_restarts=0): relaunch it, as a user would
             wait(start(faulty, f"{killed}-relaunch.log"), a.timeout, "the relaunch")
         verdict = compare(ref, killed)
@@ -124,13 +126,14 @@ def start(overrides: list[str], log: str) -> subprocess.Popen:
     return p
 
 
-def wait(p: subprocess.Popen, timeout: float, what: str, expect_kill: bool = False) -> int:
+def wait(p: subprocess.Popen, timeout: float, what: str, killed=lambda: False) -> int:
+    """The exit status of `p`: 0, or another when `killed()` says the kill that was asked fired."""
     try:
         rc = p.wait(timeout)
     except subprocess.TimeoutExpired:
         p.kill()
         raise CheckError(f"{what} took over {timeout:.0f} s (--timeout)") from None
-    if rc == 0 or (expect_kill and rc in (-9, 137)):  # 137: SIGKILL through a shell
+    if rc == 0 or killed():
         return rc
     with open(p.log) as f:
         tail = "\n".join(f.read().splitlines()[-15:])
