@@ -15,6 +15,8 @@ import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch
+
 from goodput.data.dataset import ImageFolder
 from goodput.parallel import without_launcher_env
 from goodput.storage.remote import Storage
@@ -477,3 +479,15 @@ PY_RANDOM_AUGMENT = (
     "augment.train=[{_target_:helpers.PyRandomShift},"
     "{_target_:torchvision.transforms.v2.Resize,size:[16,16]}]"
 )
+
+
+class WithHead(torch.nn.Module):
+    """The nested model form (lightning-hydra-template's `net:`): a backbone node inside the model's,
+    built by Hydra first, then given to this class with num_classes."""
+
+    def __init__(self, net: torch.nn.Module, num_classes: int):
+        super().__init__()
+        self.net, self.out = net, torch.nn.Linear(net.head.out_features, num_classes)
+
+    def forward(self, x):
+        return self.out(self.net(x))

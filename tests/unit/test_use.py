@@ -56,6 +56,38 @@ def test_a_good_record_builds_its_model_and_the_eval_view():
     assert rn.build().fc.out_features == 4  # (with weights="IMAGENET1K_V1" it would download them)
 
 
+def test_the_nested_model_form_a_run_trains_is_rebuilt_from_its_record(tmp_path, one_process):
+    """`model: {_target_: ..., net: {_target_: ...}}` trains, and evaluate/predict rebuild it from the
+    commit record (every nested `_target_` checked as the top one is); the task comes back too."""
+    from helpers import run_job_here
+
+    from goodput.inference import load, predict
+
+    small = "{_target_:goodput.recipe.models.SmallCNN,num_classes:5,width:8}"
+    net = f"+model={{_target_:helpers.WithHead,net:{small}}}"
+    summary, _ = run_job_here(tmp_path, "~model", net, "trainer.max_steps=2")
+    loaded = load(summary["checkpoint_dir"])
+    assert type(loaded.model).__name__ == "WithHead" and loaded.model.out.out_features == 10
+    assert loaded.sha256 == summary["model_sha256"]
+    images = sorted((tmp_path / "remote" / "data").glob("shapes-*/val/disc/*.jpg"))[:2]
+    rows = list(predict(loaded, [str(p) for p in images]))
+    assert rows[0] == ["path", "class", "probability", "top5"] and len(rows) == 3
+    assert type(loaded.spec.build_task()).__name__ == "Classification"
+
+
+def test_a_hostile_task_record_is_refused():
+    cls = "goodput.recipe.task.Classification"
+    for task, message in [
+        ({"_target_": "os.system", "command": "true"}, "is not a goodput.recipe.task.Task"),
+        ({"_target_": cls, "loss": {"_target_": "os.system"}}, "'os.system' is neither"),
+        ({"_target_": cls, "loss": {"_target_": "torch.nn.L1Loss", "_args_": [1]}}, "loss._args_ is refused"),
+    ]:  # fmt: skip
+        with pytest.raises(SpecError, match=message):
+            ModelSpec.parse(record(task=task), "COMMIT.json").build_task()
+    spec = ModelSpec.parse(record(), "COMMIT.json")  # a record from before the task seam
+    assert spec.task is None and type(spec.build_task()).__name__ == "Classification"
+
+
 @pytest.mark.parametrize(
     "node",
     [
