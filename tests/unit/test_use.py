@@ -271,6 +271,38 @@ def test_make_dataset_writes_a_test_split_only_when_asked(with_test, tmp_path):
         assert set(json.load(f)) == {"train", "val", "num_classes", "image_size", "seed"}
 
 
+def test_make_dataset_script_never_deletes_a_users_images(tmp_path):
+    """Pointed at a folder of the user's own images, the script wrote its demo data over train/,
+    val/ and test/ without a word. Refused in one line, exit 2, every byte kept; --force replaces."""
+    import runpy
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "make_dataset.py"))["main"]
+    mine = tmp_path / "photos"
+    for i, split in enumerate(["train", "val", "test"]):
+        (mine / split / "cats").mkdir(parents=True)
+        (mine / split / "cats" / f"{i}.jpg").write_bytes(bytes([i]) * 100 + os.urandom(50))
+    (mine / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()}
+    small = ["--num-classes", "2", "--train-per-class", "2", "--val-per-class", "1", "--image-size", "16"]
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["--root", str(mine), *small]) == 2
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith(
+        f"make_dataset.py: {mine} holds notes.txt, test, train, val but no DATASET.json"
+    ), err.getvalue()
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before  # byte for byte
+    assert not list(tmp_path.glob("photos.partial-*"))  # nothing generated aside either
+    # its own demo data is replaced without asking; a new or empty folder is written
+    (tmp_path / "empty").mkdir()
+    with redirect_stdout(io.StringIO()):
+        for root in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):
+            assert main(["--root", str(root), *small]) == 0
+        assert main(["--root", str(mine), *small, "--force"]) == 0
+    assert sorted(os.listdir(mine / "train")) == ["disc", "square"] and (mine / "notes.txt").exists()
+
+
 def test_training_never_reads_the_test_split(with_test, monkeypatch):
     from omegaconf import OmegaConf
 
