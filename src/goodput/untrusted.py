@@ -97,8 +97,13 @@ def regular(path: str, what: str) -> str:
     device is refused: reading one blocks or returns what the file never held."""
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise UnsafePath(f"{what}: {path} is not a regular file; refused")
+        kind = next((k for test, k in _KINDS if test(mode)), "a special file")
+        raise UnsafePath(f"{what}: {path} is not a regular file ({kind}); refused")
     return path
+
+
+_KINDS = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]  # fmt: skip
 
 
 def parse_record(data: bytes | str, what: str, kind: type = dict):

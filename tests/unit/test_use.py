@@ -495,6 +495,58 @@ def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
     assert header == ["path", "class", "probability", "top4"] and row[0] == image and row[1] in CLASSES
 
 
+def test_predict_reads_images_as_training_does_no_fifo_no_link(tmp_path, with_test, caplog):
+    """A FIFO named like an image in a folder blocked predict.py forever; a link in it was followed
+    out of the folder. Walking a folder, both are skipped and counted; named, each is refused."""
+    import runpy
+    import shutil
+    import threading
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "predict.py"))["main"]
+    good = tmp_path / "good.safetensors"
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(good), ModelSpec.parse(record(), "x").metadata())
+    images, outside = tmp_path / "images", tmp_path / "outside"
+    images.mkdir()
+    outside.mkdir()
+    shutil.copy(os.path.join(with_test[0], "test", "disc", "000000.jpg"), images / "a.jpg")
+    shutil.copy(os.path.join(with_test[0], "test", "disc", "000001.jpg"), outside / "secret.jpg")
+    os.mkfifo(images / "b.jpg")
+    (images / "c.jpg").symlink_to(outside / "secret.jpg")
+    (images / "sub").symlink_to(outside)
+
+    def bounded(argv):
+        """main(argv) -> (rc, stdout, stderr); a read that blocks fails the test instead of hanging it."""
+        result, out, err = [], io.StringIO(), io.StringIO()
+
+        def run():
+            with redirect_stdout(out), redirect_stderr(err):
+                result.append(main(argv))
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(timeout=20)
+        if th.is_alive():
+            with open(images / "b.jpg", "wb"):  # a writer: the blocked open returns (EOF), the thread ends
+                pass
+            th.join(timeout=20)
+            pytest.fail(f"predict.py {argv} blocked reading a FIFO")
+        return result[0], out.getvalue(), err.getvalue()
+
+    with caplog.at_level(logging.WARNING, logger="goodput.inference"):
+        rc, out, _ = bounded([str(good), str(images)])
+    assert rc == 0
+    assert [row[0] for row in csv.reader(io.StringIO(out))][1:] == [str(images / "a.jpg")]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"{images}: skipped 3 entries that are symbolic links or special"), warning
+    assert all(str(images / n) in warning for n in ("b.jpg", "c.jpg", "sub")), warning
+    for name, kind in [("b.jpg", "a FIFO"), ("c.jpg", "a symbolic link")]:
+        rc, out, err = bounded([str(good), str(images / name)])
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert f"{images / name} is not a regular file ({kind}); refused" in err, err
+
+
 def test_a_path_that_is_not_there_is_the_one_run_dir_named_like_it(tmp_path, monkeypatch):
     """`outputs/checkpoints/demo` after `make train`: the run dir is demo-<8 hex digits> (the
     experiment plus its identity digest). Only that exact form beside the path counts, and only a
