@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from goodput.checkpoint.export import SourceError, read_weights
-from goodput.checkpoint.spec import ModelSpec, SpecError, check_node
+from goodput.checkpoint.spec import ModelSpec, SpecError, check_node, one_line
 from goodput.data.dataset import IMAGE_EXTENSIONS, ImageFolder
 from goodput.data.dataset import decode as decode_bytes
 from goodput.errors import UserError
@@ -87,11 +87,13 @@ def load(
         return _load_mlflow(source, device)
     got = read_weights(source, weights, step)
     spec = got.spec()
-    model = spec.build(allow)
+    model = spec.build(allow, got.origin)
     try:
         model.load_state_dict(got.state)
     except RuntimeError as e:  # strict: names every missing and unexpected key, and shape
-        raise SpecError(f"{got.origin}: the weights do not fit its model record: {str(e)[:600]}") from None
+        raise SpecError(
+            f"{got.origin}: the weights do not fit its model record, {spec.call()}: {one_line(e, 600)}"
+        ) from None
     return Loaded(model.eval().to(device), spec, got.origin, got.step, got.weights, got.commit)
 
 

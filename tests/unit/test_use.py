@@ -215,8 +215,10 @@ def test_init_from_refuses_weights_that_do_not_fit(tmp_path, dist1):
     mgr = manager(tmp_path / "new", "dcp_sync", dist1)
     with pytest.raises(
         InitFromError, match=r"shapes differ .*blocks\.0\.0\.weight \(8, 3, 3, 3\) vs \(16, 3, 3, 3\)"
-    ):
-        init_from(mgr, fresh_app(2, width=16)[0], None, src, CLASSES, Storage)
+    ) as e:
+        node = {**record()["node"], "width": 16}  # the worker passes the run's own model node
+        init_from(mgr, fresh_app(2, width=16)[0], None, src, CLASSES, Storage, node)
+    assert f"its model record ({src}/step-000000007) differs: width 8 (this run: 16)" in str(e.value)
     six = [*CLASSES, "dots", "ring"]
     with pytest.raises(InitFromError, match=r"has 4 classes \['cross', .*this run's data has 6 \['cross'"):
         init_from(mgr, fresh_app(2, num_classes=6)[0], None, src, six, Storage)
@@ -545,6 +547,39 @@ def test_predict_reads_images_as_training_does_no_fifo_no_link(tmp_path, with_te
         rc, out, err = bounded([str(good), str(images / name)])
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert f"{images / name} is not a regular file ({kind}); refused" in err, err
+
+
+def test_a_record_the_model_cannot_be_built_from_or_fitted_to_is_one_line_exit_2(tmp_path, dist1):
+    """A record whose arguments make the constructor raise (a negative width, an argument the class
+    does not take) ended evaluate.py and predict.py in Hydra's traceback; weights that do not fit it
+    in a message of many lines. One line each, exit 2, naming the step dir and the argument."""
+    import runpy
+
+    from helpers import REPO
+
+    src, _ = source_run(tmp_path, dist1)
+    step = f"{src}/step-000000007"
+    commit = json.loads((tmp_path / "remote" / "step-000000007" / "COMMIT.json").read_text())
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (16, 16)).save(image)
+    for node, message in [
+        ({"width": -1}, "negative dimension"),
+        ({"depth": 3}, "unexpected keyword argument 'depth'"),
+        ({"width": 16}, "the weights do not fit its model record"),
+    ]:
+        edited = {**commit, "model": {**commit["model"], "node": {**commit["model"]["node"], **node}}}
+        (tmp_path / "remote" / "step-000000007" / "COMMIT.json").write_text(json.dumps(edited))
+        argument = "{}={!r}".format(*next(iter(node.items())))
+        for script, argv in [("evaluate.py", [step, "--no-mlflow"]), ("predict.py", [step, str(image)])]:
+            main = runpy.run_path(str(REPO / "scripts" / script))["main"]
+            err = io.StringIO()
+            with redirect_stderr(err), redirect_stdout(io.StringIO()):
+                assert main(argv) == 2, (script, node)
+            line = err.getvalue()
+            assert line.count("\n") == 1 and line.startswith(f"{script}: {step}: "), line
+            assert message in line and "goodput.model.SmallCNN(width=" in line and argument in line, line
 
 
 def test_a_path_that_is_not_there_is_the_one_run_dir_named_like_it(tmp_path, monkeypatch):

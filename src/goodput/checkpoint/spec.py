@@ -99,9 +99,11 @@ class ModelSpec:
             raise SpecError(f"{what}: std must be positive, got {norm['std']}")
         return cls(node, list(classes), size, norm["mean"], norm["std"])
 
-    def build(self, allow: tuple[str, ...] = ()) -> nn.Module:
+    def build(self, allow: tuple[str, ...] = (), what: str = "the model record") -> nn.Module:
         """The model of this spec with fresh weights (num_classes = len(classes)), on CPU. The
-        `_target_` is checked first (see the module docstring); `allow`: more dotted names to accept."""
+        `_target_` is checked first (see the module docstring); `allow`: more dotted names to accept.
+        A constructor that raises on the record's arguments (a negative width, an argument it does
+        not take) is a SpecError naming `what` (the step dir or file) and the call."""
         from hydra.utils import get_object, instantiate
 
         target = self.node["_target_"]
@@ -131,10 +133,22 @@ class ModelSpec:
         for k in [*node, *_parameters(fn)]:
             if k.startswith("weights"):
                 node[k] = None
-        model = instantiate(node, num_classes=self.num_classes)
+        try:
+            model = instantiate(node, num_classes=self.num_classes)
+        except Exception as e:  # Hydra's InstantiationException, its cause the constructor's error
+            cause = e.__cause__ or e
+            raise SpecError(
+                f"{what}: its model {self.call()} cannot be built: {type(cause).__name__}: {one_line(cause)}"
+            ) from None
         if not isinstance(model, nn.Module):
             raise SpecError(f"model _target_ {target!r} returned a {type(model).__name__}, not an nn.Module")
         return model
+
+    def call(self) -> str:
+        """The call the record makes, for a message: `_target_(argument=value, ..., num_classes=N)`."""
+        node = {**self.node, "num_classes": self.num_classes}
+        args = ", ".join(f"{k}={v!r}" for k, v in node.items() if k != "_target_")
+        return f"{self.node['_target_']}({args if len(args) <= 300 else args[:300] + ' ...'})"
 
     def transform(self):
         """The eval view of an image (uint8 C x H x W): resize, center crop, normalize, as in training."""
@@ -142,6 +156,12 @@ class ModelSpec:
 
     def preprocess(self, img: torch.Tensor) -> torch.Tensor:
         return self.transform()(img)
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line (torch's and Hydra's span several), at most `limit` chars."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else f"{text[:limit]} ..."
 
 
 def _parameters(fn) -> list[str]:

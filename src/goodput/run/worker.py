@@ -75,7 +75,9 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.close()
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
-        init_from(t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url))
+        init_from(
+            t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url), t.spec.node
+        )
         t.stop = stop.rescuing(t.rescue.request)  # a rank stuck past the grace rescues the last step first
         t.evaluate_first = bool(rec and rec.get("evaluate_first"))  # a rescue before its step's evaluation
         t.resumed_rescue = bool(rec and rec.get("kind") == "rescue")
