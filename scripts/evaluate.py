@@ -33,6 +33,7 @@ from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import data_of, evaluation_loader, integer, load
 from goodput.run.evaluate import default_top_k, evaluate, write_report
+from goodput.untrusted import printable
 
 DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from the repository root
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         a.tracking_uri = a.tracking_uri or default_store(a.checkpoint)
         return run(a)
     except UserError as e:  # the checkpoint, the step, the split, the data: said in one line
-        print(f"evaluate.py: {e}", file=sys.stderr)
+        print(f"evaluate.py: {printable(e)}", file=sys.stderr)
         return 2
 
 
@@ -100,21 +101,27 @@ def run(a) -> int:
             )
         )
         return 0
-    print(
+    say(
         f"{m.origin} ({m.weights} weights, step {m.step}) on {root}/{a.split}: {ev.count} images, {n} classes"
     )
     for k, v in metrics.items():
         if "/class/" not in k:
-            print(f"  {k:<16} {v:.6f}")
+            say(f"  {k:<16} {v:.6f}")
     print(f"  {'class':<16} {'samples':>7} {'correct':>7} {'accuracy':>9}")
     for name, (ok, count, acc) in zip(m.spec.classes, ev.per_class()):
-        print(f"  {name:<16} {count:>7} {ok:>7} {acc:>9.4f}")
+        say(f"  {name:<16} {count:>7} {ok:>7} {acc:>9.4f}")
     print(f"  model_sha256     {sha}")
     if a.out:
         print(f"report: {', '.join(files)}")
     if run_id:
         print(f"MLflow: run {run_id} in {a.tracking_uri}")
     return 0
+
+
+def say(line: str) -> None:
+    """Print a line that holds what a record says (the data root, the weights, the class names):
+    escaped, so a `\\r` or an escape sequence in a record cannot rewrite what it shows."""
+    print(printable(line))
 
 
 def log_run(a, m, metrics: dict, files: list[str], sha: str, root: str) -> str:

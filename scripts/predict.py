@@ -25,6 +25,7 @@ import sys
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import csv_rows, image_files, integer, load, predict
+from goodput.untrusted import printable
 
 
 def main(argv=None) -> int:
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         else:
             csv.writer(sys.stdout).writerows(rows)
     except UserError as e:
-        print(f"predict.py: {e}", file=sys.stderr)
+        print(f"predict.py: {printable(e)}", file=sys.stderr)
         return 2
     if a.out:
         print(f"wrote {len(files)} predictions to {a.out}", file=sys.stderr)

@@ -26,7 +26,7 @@ from goodput.data.dataset import decode as decode_bytes
 from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.storage.remote import check_url
-from goodput.untrusted import UnsafePath, confined, real_root, regular
+from goodput.untrusted import UnsafePath, confined, printable, real_root, regular
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +197,11 @@ def predict(loaded: Loaded, files: list[str], batch_size: int = 64, top_k: int =
 
 def csv_rows(predictions, top_k: int):
     """The CSV of `predict`: a header, then path, class, probability, top<k> (`class:probability`
-    pairs joined by `;`), probabilities with 6 decimals."""
+    pairs joined by `;`), probabilities with 6 decimals. The class names come from the model record:
+    printed escaped (goodput.untrusted.printable), as is every string from a record."""
     yield ["path", "class", "probability", f"top{top_k}"]
     for path, cls, p, top in predictions:
-        yield [path, cls, f"{p:.6f}", ";".join(f"{c}:{q:.6f}" for c, q in top)]
+        yield [path, printable(cls), f"{p:.6f}", ";".join(f"{printable(c)}:{q:.6f}" for c, q in top)]
 
 
 # -- evaluation of a checkpoint ----------------------------------------------------------------------

@@ -582,6 +582,34 @@ def test_a_record_the_model_cannot_be_built_from_or_fitted_to_is_one_line_exit_2
             assert message in line and "goodput.model.SmallCNN(width=" in line and argument in line, line
 
 
+def test_class_names_from_a_record_are_printed_escaped(tmp_path, with_test):
+    """predict.py's CSV and evaluate.py's table print the record's class names: a `\r` and an escape
+    sequence in one are shown escaped, never sent raw to the terminal."""
+    import runpy
+    import shutil
+
+    from helpers import REPO
+
+    data = tmp_path / "data"
+    shutil.copytree(with_test[0], data)
+    evil = "disc\r\x1b[2K\u202e"
+    (data / "val" / "disc").rename(data / "val" / evil)
+    classes = sorted(os.listdir(data / "val"))
+    model = tmp_path / "m.safetensors"
+    spec = ModelSpec.parse(record(classes=classes), "x")
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(model), spec.metadata())
+    image = str(data / "val" / "cross" / "000000.jpg")
+    for script, argv in [("predict.py", [str(model), image]),
+                         ("evaluate.py", [str(model), "--data-root", str(data), "--no-mlflow"])]:  # fmt: skip
+        main = runpy.run_path(str(REPO / "scripts" / script))["main"]
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(argv) == 0, script
+        text = out.getvalue().replace("\r\n", "\n")  # (the CSV's own line ends)
+        assert "disc\\r\\x1b[2K\\u202e" in text, text
+        assert not [c for c in text if not c.isprintable() and c != "\n"], (script, text)
+
+
 def test_a_path_that_is_not_there_is_the_one_run_dir_named_like_it(tmp_path, monkeypatch):
     """`outputs/checkpoints/demo` after `make train`: the run dir is demo-<8 hex digits> (the
     experiment plus its identity digest). Only that exact form beside the path counts, and only a

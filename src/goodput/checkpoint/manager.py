@@ -45,6 +45,7 @@ from goodput.resilience.signals import signals_blocked
 from goodput.run.monitor import Best
 from goodput.storage.checksum import CHECKSUM, file_digest
 from goodput.storage.remote import DIR, FOREIGN, Storage, each
+from goodput.untrusted import printable
 
 log = logging.getLogger(__name__)
 
@@ -579,7 +580,7 @@ def _other_classes(saved, current) -> str | None:
         return None
 
     def listed(names):
-        shown = ", ".join(str(n) for n in names[:12])
+        shown = ", ".join(printable(n) for n in names[:12])  # names from a record: escaped
         return f"{len(names)} ({shown}{', ...' if len(names) > 12 else ''})"
 
     return (

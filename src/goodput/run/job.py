@@ -40,6 +40,7 @@ from goodput.tracking import (
     source_tags,
     start_run,
 )
+from goodput.untrusted import printable
 
 log = logging.getLogger("goodput")
 
@@ -165,7 +166,7 @@ def _prepare_run(
     if newest is not None and newest.get("stop_reason") and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it stopped at step {newest['step']} "
-            f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"
+            f"({printable(newest['stop_reason'])}). Checkpoint: {store.url(newest['dir'])}"
         )
     previous_run_id = _run_to_continue(c, newest, store)
     start = explicit or newest
@@ -203,7 +204,7 @@ def _end_not_written(c: Config, newest: dict) -> bool:
     log.warning(
         "run '%s' reached step %d, but its end was not written (MLflow run %s is %s: killed while "
         "ending?): writing it now (the final evaluation, the summary, the logged model)",
-        c.run.name, newest["step"], run_id, status,
+        c.run.name, newest["step"], printable(run_id), status,
     )  # fmt: skip
     return True
 
@@ -294,7 +295,7 @@ def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:
     if rec.get("run") is not None and rec.get("run") != name:
         log.warning(
             "%s was written by run '%s', not '%s': not continuing its MLflow run %s (a new one starts)",
-            store.url(rec["dir"]), rec.get("run"), name, rec.get("mlflow_run_id"),
+            store.url(rec["dir"]), printable(rec.get("run")), name, printable(rec.get("mlflow_run_id")),
         )  # fmt: skip
         return None
     run_id = rec.get("mlflow_run_id")
