@@ -282,7 +282,8 @@ def test_a_malformed_commit_record_is_a_refusal_naming_the_file(tmp_path, dist1,
 @pytest.mark.parametrize(
     "record",
     [b"", b"not json", DEEP, b"[]", b'{"host": 1}', b'{"host": "h", "pid": "7", "token": "t", "started": 0}',
-     b'{"host": "h", "pid": 99999999999999999999, "token": "t", "started": 0}'],
+     b'{"host": "h", "pid": 99999999999999999999, "token": "t", "started": 0}',
+     b'{"host": "h", "pid": 7, "token": "../../x", "started": 0}'],
 )  # fmt: skip
 def test_a_malformed_lock_is_moved_aside_and_the_job_runs(tmp_path, caplog, record):
     store = Storage(str(tmp_path))
@@ -299,7 +300,7 @@ def test_a_lock_naming_this_process_with_another_token_is_stale(tmp_path, caplog
     """A container restarted with the same PID: the old lock names the new process."""
     store = Storage(str(tmp_path))
     old = RunLock(store)
-    old._write()  # left behind by the previous life of this PID
+    store.write_bytes(RunLock.NAME, json.dumps(old.record).encode())  # the previous life of this PID
     new = RunLock(store)
     new.acquire()
     new.release()

@@ -95,6 +95,7 @@ def prepare(
     if leader:
         lock = RunLock(view.storage, c.run.lock_stale_seconds)
         lock.acquire()
+        ctx = replace(ctx, lock_token=lock.token)  # every commit checks that the lock is still this job's
     try:
         ctx = _prepare_run(c, ctx, view, committed, leader, params, cfg)
     except BaseException:
@@ -127,7 +128,7 @@ def _prepare_run(
             )
         log.warning("run.overwrite=true: discarding %s", store.url())
         for name, size in store.ls().items():
-            if name == RunLock.NAME:
+            if RunLock.owns(name):  # the lock this job holds, its heartbeat
                 continue
             if size == DIR and _holds_a_run(store.ls(name)):  # a sweep job's run: run.name/<overrides>
                 log.warning("run.overwrite=true: keeping %s, another run's", store.url(name))
