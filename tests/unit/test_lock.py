@@ -75,20 +75,32 @@ def holder(root) -> dict:
     return json.loads((root / RunLock.NAME).read_text())
 
 
-def test_a_write_that_lands_late_never_makes_a_second_holder(tmp_path):
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_write_that_lands_late_never_makes_a_second_holder(tmp_path, kind, request):
     """Before: both jobs wrote LOCK.json and read it back 50 ms later; the slow job's write landed
-    after the fast job's read-back, and both trained in one checkpoint dir. Exactly one wins now."""
-    go = threading.Event()
-    slow = lock_on(HeldBack(str(tmp_path), go), "node-a")
-    fast = lock_on(Storage(str(tmp_path)), "node-b")
+    after the fast job's read-back, and both trained in one checkpoint dir. Exactly one wins now,
+    by link(2) on a local store and by a conditional PUT on S3."""
+    root = str(tmp_path) if kind == "local" else f"s3://{request.getfixturevalue('s3_bucket')}/run"
+    go, store = threading.Event(), Storage(root)
+    slow = lock_on(HeldBack(root, go), "node-a")
+    fast = lock_on(store, "node-b")
     won = race(slow, fast, go)
     assert won["fast"] is True, won
     assert isinstance(won["slow"], RunLocked) and "on node-b" in str(won["slow"]), won
-    assert holder(tmp_path)["token"] == fast.token
+    assert json.loads(store.read_bytes(RunLock.NAME))["token"] == fast.token
     slow.release()  # a job refused leaves the winner's lock alone
-    assert holder(tmp_path)["token"] == fast.token
+    assert json.loads(store.read_bytes(RunLock.NAME))["token"] == fast.token
     fast.release()
-    assert not [p.name for p in tmp_path.iterdir() if owns(p.name)]  # nothing of the lock is left
+    assert not [n for n in store.ls() if owns(n)]  # nothing of the lock is left
+
+
+def test_a_store_without_create_if_absent_says_the_lock_is_best_effort_once(caplog):
+    for _ in range(2):
+        lock = RunLock(Storage("memory://goodput-lock-test/run"))
+        lock.acquire()
+        lock.release()
+    said = [r.getMessage() for r in caplog.records if "best effort" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the run lock of memory://goodput-lock-test/run"), said
 
 
 def dead_lock(root, **fields) -> None:
@@ -191,4 +203,25 @@ def test_a_job_that_lost_its_lock_stops_before_its_next_commit(tmp_path, one_pro
     steps = sorted(n for n in store.ls() if n.startswith("step-"))
     assert steps == ["step-000000004"] if when == "save" else ["step-000000004", "step-000000008"]
     assert holder(ckpt_dir(tmp_path))["token"] == other["lock"].token  # its lock left alone
+    other["lock"].release()
+
+
+def test_a_rescue_after_the_lock_was_lost_commits_nothing(tmp_path, one_process, monkeypatch):
+    """A step fails after another job took the lock over (before this job's next save noticed): the
+    rescue of the last step is not committed into the other job's run."""
+    from goodput.checkpoint.rescue import Rescue
+    from goodput.resilience.fault import InjectedFailure
+
+    real, other = Rescue.write, {}
+
+    def write(self, *a, **kw):
+        other["lock"] = lock_on(Storage(self.store.root), "node-b", stale_seconds=0.0)
+        other["lock"].acquire()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Rescue, "write", write)
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path, "fault.raise_at_step=7")
+    store = Storage(str(ckpt_dir(tmp_path)))
+    assert [r["step"] for r in Commits(store).committed()] == [4]  # no step-000000006.rescue commit
     other["lock"].release()
