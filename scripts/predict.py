@@ -8,7 +8,9 @@ python scripts/predict.py models:/m-0123456789abcdef photo.jpg        # the mode
 The source carries everything prediction needs (the model's `_target_` node, class names, image size,
 mean and std): a checkpoint in its commit record, an export in its safetensors metadata, the MLflow
 model in its metadata. Each image gets the eval view training used (resize, center crop, normalize);
-any format Pillow opens works. The CSV: path, class, probability, top<k> (`class:probability`
+any format Pillow opens works. Images are read from regular files only, as training reads them: in a
+folder a symbolic link or a special file (a FIFO) is skipped with a warning, named directly it is
+refused. The CSV: path, class, probability, top<k> (`class:probability`
 pairs, best first, joined by `;`). Loading an MLflow model unpickles it (docs/security.md); the other
 two sources run no code from the files. A missing or undecodable image: one line, exit 2. A checkpoint
 path that is not there but names one run dir `<it>-<8 hex digits>` beside it is that dir (evaluate.py).
