@@ -34,6 +34,7 @@ from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import data_of, evaluation_loader, integer, load
 from goodput.run.evaluate import evaluate
+from goodput.untrusted import printable
 
 DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from the repository root
 
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         a.tracking_uri = a.tracking_uri or default_store(a.checkpoint)
         return run(a)
     except UserError as e:  # the checkpoint, the step, the split, the data: said in one line
-        print(f"evaluate.py: {e}", file=sys.stderr)
+        print(f"evaluate.py: {printable(e)}", file=sys.stderr)
         return 2
 
 
@@ -105,20 +106,26 @@ def run(a) -> int:
             )
         )
         return 0
-    print(
+    say(
         f"{m.origin} ({m.weights} weights, step {m.step}) on {root}/{a.split}: {ev.count} images, {n} classes"
     )
     for k, v in metrics.items():
         if "/class/" not in k:
-            print(f"  {k:<16} {v:.6f}")
-    for line in ev.lines():  # the task's per-class table
-        print(line)
+            say(f"  {k:<16} {v:.6f}")
+    for line in ev.lines():  # the task's per-class table (class names from the record: escaped)
+        say(line)
     print(f"  model_sha256     {sha}")
     if a.out:
         print(f"report: {', '.join(files)}")
     if run_id:
         print(f"MLflow: run {run_id} in {a.tracking_uri}")
     return 0
+
+
+def say(line: str) -> None:
+    """Print a line that holds what a record says (the data root, the weights, the class names):
+    escaped, so a `\\r` or an escape sequence in a record cannot rewrite what it shows."""
+    print(printable(line))
 
 
 def log_run(a, m, metrics: dict, files: list[str], sha: str, root: str) -> str:

@@ -35,6 +35,13 @@ from goodput.checkpoint.layout import COMMIT, CommitError, parse_commit, parse_s
 from goodput.checkpoint.spec import ModelSpec, SpecError
 from goodput.storage.checksum import CHECKSUM, TooLarge
 from goodput.storage.remote import Storage
+from goodput.untrusted import printable
+
+
+def say(line: str) -> None:
+    """Print one line of what records hold (a backend, a stop reason, file names): escaped, so a `\\r`
+    or an escape sequence in a record cannot rewrite what the line shows."""
+    print(printable(line))
 
 
 def status(store: Storage, name: str) -> dict:
@@ -95,16 +102,16 @@ def export(store: Storage, row: dict, out: str, weights: str = "model") -> None:
     try:
         model = model_state(store, rec, weights)
     except ExportError as e:
-        sys.exit(f"{e}: not exporting")
+        sys.exit(printable(f"{e}: not exporting"))
     meta = {"step": str(row["step"]), "backend": str(row["backend"]), "world_size": str(row["world_size"]),
             "weights": weights}  # fmt: skip
     if rec.get("model") is not None:  # (a commit of an older goodput has none: the export says less)
         try:
             meta.update(ModelSpec.parse(rec["model"], store.url(rec["dir"])).metadata())
         except SpecError as e:
-            sys.exit(f"{e}: not exporting")
+            sys.exit(printable(f"{e}: not exporting"))
     save_safetensors(model, out, meta)
-    print(
+    say(
         f"wrote {len(model)} {weights} tensors of step {row['step']} ({row['backend']}) "
         f"to {out} (safetensors)"
     )
@@ -129,7 +136,7 @@ def main() -> None:
     try:
         a.dir = run_dir(a.dir, say=lambda line: print(f"inspect_checkpoint.py: {line}", file=sys.stderr))
     except SourceError as e:
-        print(f"inspect_checkpoint.py: {e}", file=sys.stderr)
+        print(f"inspect_checkpoint.py: {printable(e)}", file=sys.stderr)
         sys.exit(2)
     one = parse_step(a.dir.rstrip("/").rsplit("/", 1)[-1])
     if one is not None:  # a single step dir
@@ -148,13 +155,13 @@ def main() -> None:
             problems = verify(store, name)
             incomplete = problems and problems[0].endswith("(incomplete, never loaded)")
             if incomplete and one is None:
-                print(f"{name}: incomplete (no {COMMIT}), never loaded")
+                say(f"{name}: incomplete (no {COMMIT}), never loaded")
                 continue
             for line in problems:
-                print(f"BAD {line}")
+                say(f"BAD {line}")
             bad += len(problems)
             if not problems:
-                print(f"{name}: ok")
+                say(f"{name}: ok")
         sys.exit(1 if bad else 0)
     rows = [status(store, n) for n in names]
     best = next((r["best"] for r in reversed(rows) if r["status"] == "committed" and r.get("best")), None)
@@ -172,9 +179,9 @@ def main() -> None:
                 + (["  BEST"] if r["is_best"] else [])
                 + ([f"  stopped: {r['stop_reason']}"] if r.get("stop_reason") else [])
             )
-            print(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}{notes}")
+            say(f"{r['step']:>10}  {backend:<10} {world:>5} {mb:>9.2f}  {r['status']}{notes}")
         if best is not None:  # named by the newest commit: the best so far of checkpoint.keep_best_by
-            print(f"best: step {best['step']} ({best['by']} = {best['value']:.6g}, {best['mode']})")
+            say(f"best: step {best['step']} ({best['by']} = {best['value']:.6g}, {best['mode']})")
     if a.export:
         ok = [r for r in rows if r["status"] == "committed" and (a.step is None or r["step"] == a.step)]
         if not ok:

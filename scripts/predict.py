@@ -5,15 +5,17 @@ python scripts/predict.py outputs/checkpoints/demo photo.jpg          # the one 
 python scripts/predict.py model.safetensors photo.jpg --out predictions.csv  # an inspect_checkpoint.py export
 python scripts/predict.py models:/m-0123456789abcdef photo.jpg        # the model a run logged to MLflow
 
-The source carries everything prediction needs (the model's `_target_` node, class names, image
-size, mean and std): a checkpoint in its commit record, an export in its safetensors metadata, the
-MLflow model in its metadata. Each image gets the eval view training used (resize, center crop,
-normalize); any format Pillow opens works. The CSV is the task's (goodput.recipe.task): for
-classification path, class, probability, top<k> (`class:probability` pairs, best first, joined by
-`;`); for multilabel path, labels (those at or above the threshold, joined by `;`), top<k>. Loading
-an MLflow model unpickles it (docs/security.md); the other two sources run no code from the files. A
-missing or undecodable image: one line, exit 2. A checkpoint path that is not there but names one
-run dir `<it>-<8 hex digits>` beside it is that dir (evaluate.py).
+The source carries everything prediction needs (the model's `_target_` and task nodes, class names,
+image size, mean and std): a checkpoint in its commit record, an export in its safetensors metadata,
+the MLflow model in its metadata. Each image gets the eval view training used (resize, center crop,
+normalize); any format Pillow opens works. Images are read from regular files only, as training
+reads them: in a folder a symbolic link or a special file (a FIFO) is skipped with a warning, named
+directly it is refused. The CSV is the task's (goodput.recipe.task): for classification path, class,
+probability, top<k> (`class:probability` pairs, best first, joined by `;`); for multilabel path,
+labels (those at or above the threshold, joined by `;`), top<k>. Loading an MLflow model unpickles
+it (docs/security.md); the other two sources run no code from the files. A missing or undecodable
+image: one line, exit 2. A checkpoint path that is not there but names one run dir
+`<it>-<8 hex digits>` beside it is that dir (evaluate.py).
 """
 
 import argparse
@@ -27,6 +29,7 @@ import sys
 from goodput.checkpoint.export import run_dir
 from goodput.errors import UserError
 from goodput.inference import image_files, integer, load, predict
+from goodput.untrusted import printable
 
 
 def main(argv=None) -> int:
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         else:
             csv.writer(sys.stdout).writerows(rows)
     except UserError as e:
-        print(f"predict.py: {e}", file=sys.stderr)
+        print(f"predict.py: {printable(e)}", file=sys.stderr)
         return 2
     if a.out:
         print(f"wrote {len(files)} predictions to {a.out}", file=sys.stderr)

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from goodput.checkpoint.export import SourceError, read_weights
-from goodput.checkpoint.spec import ModelSpec, SpecError, check_node
+from goodput.checkpoint.spec import ModelSpec, SpecError, check_node, one_line
 from goodput.data.dataset import IMAGE_EXTENSIONS, ImageFolder
 from goodput.data.dataset import decode as decode_bytes
 from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.storage.remote import check_url
+from goodput.untrusted import UnsafePath, confined, printable, real_root, regular
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,13 @@ def load(
         return _load_mlflow(source, device)
     got = read_weights(source, weights, step)
     spec = got.spec()
-    model = spec.build(allow)
+    model = spec.build(allow, got.origin)
     try:
         model.load_state_dict(got.state)
     except RuntimeError as e:  # strict: names every missing and unexpected key, and shape
-        raise SpecError(f"{got.origin}: the weights do not fit its model record: {str(e)[:600]}") from None
+        raise SpecError(
+            f"{got.origin}: the weights do not fit its model record, {spec.call()}: {one_line(e, 600)}"
+        ) from None
     return Loaded(model.eval().to(device), spec, got.origin, got.step, got.weights, got.commit)
 
 
@@ -116,32 +119,60 @@ def _load_mlflow(uri: str, device: str) -> Loaded:
 def image_files(paths: list[str]) -> list[str]:
     """The files named, and under each folder named every file with an image extension (the list
     training uses, goodput.data.dataset.IMAGE_EXTENSIONS), in sorted order. A file named directly is
-    taken whatever its extension: Pillow decides whether it is an image."""
+    taken whatever its extension: Pillow decides whether it is an image. Images are read as training
+    reads them (goodput.untrusted): from regular files only, never through a symbolic link. One named
+    directly that is a link or a special file (a FIFO would block the read forever) is refused; in a
+    folder, such entries (links to folders too) are skipped, counted in one warning per folder."""
     out = []
     for p in paths:
-        if os.path.isdir(p):
-            found = sorted(
-                os.path.join(d, f)
-                for d, _, names in os.walk(p)
-                for f in names
-                if f.lower().endswith(tuple(IMAGE_EXTENSIONS))
-            )
+        if os.path.isdir(p):  # (the folder itself may be a link: whoever named it chose it)
+            found, skipped, root = [], [], real_root(p)
+            for d, dirs, names in os.walk(p):
+                skipped += [os.path.join(d, n) for n in dirs if os.path.islink(os.path.join(d, n))]
+                for n in names:
+                    if not n.lower().endswith(tuple(IMAGE_EXTENSIONS)):
+                        continue
+                    path = os.path.join(d, n)
+                    try:
+                        regular(confined(root, os.path.relpath(path, p), p, resolved=True), p)
+                    except (UnsafePath, FileNotFoundError):  # a link, a FIFO, a device; gone meanwhile
+                        skipped.append(path)
+                        continue
+                    found.append(path)
+            if skipped:
+                log.warning(
+                    "%s: skipped %d entr%s that %s symbolic links or special files (images are read from "
+                    "regular files only, as in training): %s%s", p, len(skipped),
+                    "y" if len(skipped) == 1 else "ies", "is" if len(skipped) == 1 else "are",
+                    ", ".join(sorted(skipped)[:5]), " ..." if len(skipped) > 5 else "",
+                )  # fmt: skip
             if not found:
                 raise InputError(
                     f"{p}: no image files in this folder (looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
                 )
-            out += found
-        elif os.path.isfile(p):
-            out.append(p)
+            out += sorted(found)
+        elif os.path.lexists(p):
+            out.append(_regular(p))
         else:
             raise InputError(f"{p}: no such file or folder")
     return out
 
 
+def _regular(path: str) -> str:
+    """`path` if it is a regular file, else InputError (one line): not read through a link, never
+    opened when it is a FIFO or a device."""
+    try:
+        return regular(path, "image")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file or folder") from None
+    except UnsafePath as e:
+        raise InputError(f"{e} (images are read from regular files only, as in training)") from None
+
+
 def decode(path: str) -> torch.Tensor:
     """An image file as a uint8 RGB tensor (3 x H x W), decoded as training decodes it
     (goodput.data.dataset.decode: the first frame of an animation, alpha dropped)."""
-    with open(path, "rb") as f:
+    with open(_regular(path), "rb") as f:
         data = f.read()
     try:
         return decode_bytes(data)
@@ -154,7 +185,8 @@ def predict(loaded: Loaded, files: list[str], batch_size: int = 64, top_k: int =
     """The CSV rows: the task's header, then one row per file in order, its path and the task's
     prediction (goodput.recipe.task: classification gives class, probability, top<k>) from the
     model's logits on the eval view of each image (the spec's size and normalization)."""
-    tf, classes, device = loaded.spec.transform(), loaded.spec.classes, loaded.device
+    tf, device = loaded.spec.transform(), loaded.device
+    classes = [printable(c) for c in loaded.spec.classes]  # names from a record: printed escaped
     task = loaded.spec.build_task()
     k = max(1, min(top_k, len(classes)))
     yield task.predict_header(k)

@@ -9,6 +9,8 @@ each is checked by one rule before it is used:
 - `confined`: the local file of such a path under its root, resolved: no symbolic link below the
   root (a link in a store can point anywhere, also at another run's committed checkpoint).
 - `regular`: a local file about to be read is a regular file (a FIFO blocks a reader forever).
+- `printable`: a string from a record (or a name from a store), escaped for a terminal: a `\r` or
+  an escape sequence in it cannot rewrite the line it is printed on.
 - `parse_record`: a JSON record (commit, rank manifest, lock, attempt, fault marker, shard index)
   parsed as untrusted: any parser exception (RecursionError from deep nesting too) or a wrong
   top-level type is a `RecordError` naming the file; `field` checks one key's type and range;
@@ -97,8 +99,25 @@ def regular(path: str, what: str) -> str:
     device is refused: reading one blocks or returns what the file never held."""
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise UnsafePath(f"{what}: {path} is not a regular file; refused")
+        kind = next((k for test, k in _KINDS if test(mode)), "a special file")
+        raise UnsafePath(f"{what}: {path} is not a regular file ({kind}); refused")
     return path
+
+
+_KINDS = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]  # fmt: skip
+
+
+def printable(value: object) -> str:
+    """`str(value)` with every character that is not printable (control characters such as `\r`,
+    `\n` and ESC, line separators, bidi overrides) escaped as Python writes it (`\r`, `\x1b`,
+    `\u202e`): one line that shows what the record holds, never a terminal instruction. What a
+    record says is printed through this, as identity values are printed as JSON
+    (goodput.identity.describe). Printable text, accents and other scripts included, stays as is."""
+    s = str(value)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
 
 
 def parse_record(data: bytes | str, what: str, kind: type = dict):

@@ -217,6 +217,7 @@ def test_init_from_weights_that_do_not_fit_or_are_not_there_is_one_line_exit_2(s
     p, _ = run_train(tmp_path, f"run.init_from={s['checkpoint_dir']}", "model.width=16", expect_rc=2)
     line = the_error(p, "does not fit this run's model")
     assert "shapes differ (source vs this model): blocks.0.0.weight (32, 3, 3, 3) vs (16, 3, 3, 3)" in line
+    assert f"its model record ({s['checkpoint_dir']}/step-000000012) differs: width 32 (this run: 16)" in line
     # a source that is not there: refused by the job before any worker (in this process: the job's
     # first phase is where it decides; scripts/train.py prints a UserError as one line, exit 2)
     from helpers import compose_train

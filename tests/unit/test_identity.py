@@ -219,7 +219,8 @@ class Store:
     def commit(self, c, ctx, step: int, end: bool = True) -> None:
         """A commit of `step`; the last step's, with `end`, followed by the run's end (FINISHED), as
         the worker writes it."""
-        mgr = build.checkpoint_manager(c, ctx, self.dist)
+        # (the lock is released: these stand for commits the job wrote while it held it)
+        mgr = build.checkpoint_manager(c, dataclasses.replace(ctx, lock_token=None), self.dist)
         mgr.save(step, make_app(step)[0])
         mgr.wait()
         if end and step >= c.trainer.max_steps:

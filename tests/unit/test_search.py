@@ -209,6 +209,37 @@ def sweeper(n_trials: int, launcher: Launcher):
     return s
 
 
+def test_a_search_whose_lock_another_search_took_over_asks_no_more_trials(storage, tmp_path):
+    """Its lock taken over while a trial ran (its heartbeat looked stale to the other search): the
+    search stops before it asks for the next trial, with one line naming the other holder."""
+    from goodput.resilience.lock import LockLost, RunLock
+    from goodput.storage.remote import Storage
+
+    done = {"steps": 12, "preempted": None, "stop_reason": None, "val": {"val/accuracy": 0.5}}
+    other = {}
+
+    class TakenOver(Launcher):
+        def launch(self, batch, initial_job_idx):
+            other["lock"] = RunLock(Storage(str(tmp_path / "checkpoints/smoke/lost")), stale_seconds=0.0)
+            other["lock"].record["host"] = "node-b"  # (in this process it would pass for a restarted one)
+            other["lock"].acquire()
+            return super().launch(batch, initial_job_idx)
+
+    s = sweeper(3, TakenOver([Job(done)], [Job(done)], [Job(done)]))
+    s.config = OmegaConf.create({
+        "paths": {"checkpoint_dir": str(tmp_path / "checkpoints")},
+        "storage": {"_target_": "goodput.storage.Storage", "_partial_": True},
+        "run": {"lock_stale_seconds": 120},
+    })  # fmt: skip
+    mine = s._lock("smoke/lost")
+    study = _study.open_study("lost", storage, "maximize", search(), explicit=True)
+    with pytest.raises(LockLost, match="took over the run lock of .* on node-b"):
+        s._run(study, space(*SPACE), ["experiment=smoke"], NoParent(), "lost")
+    assert len(s.launcher.batches) == 1 and len(study.trials) == 1
+    mine.release()
+    other["lock"].release()
+
+
 def test_a_stopped_trial_stops_the_search_and_the_relaunch_continues_its_run(storage):
     """A signal stops a trial (it commits a checkpoint, its summary says `preempted`): the search
     stops; the relaunch's first trial has its parameters and its run name, and n_trials, raised on

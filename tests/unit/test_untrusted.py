@@ -7,6 +7,7 @@ the root, and that the run refused with a message naming the file and the row or
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -281,7 +282,8 @@ def test_a_malformed_commit_record_is_a_refusal_naming_the_file(tmp_path, dist1,
 @pytest.mark.parametrize(
     "record",
     [b"", b"not json", DEEP, b"[]", b'{"host": 1}', b'{"host": "h", "pid": "7", "token": "t", "started": 0}',
-     b'{"host": "h", "pid": 99999999999999999999, "token": "t", "started": 0}'],
+     b'{"host": "h", "pid": 99999999999999999999, "token": "t", "started": 0}',
+     b'{"host": "h", "pid": 7, "token": "../../x", "started": 0}'],
 )  # fmt: skip
 def test_a_malformed_lock_is_moved_aside_and_the_job_runs(tmp_path, caplog, record):
     store = Storage(str(tmp_path))
@@ -298,7 +300,7 @@ def test_a_lock_naming_this_process_with_another_token_is_stale(tmp_path, caplog
     """A container restarted with the same PID: the old lock names the new process."""
     store = Storage(str(tmp_path))
     old = RunLock(store)
-    old._write()  # left behind by the previous life of this PID
+    store.write_bytes(RunLock.NAME, json.dumps(old.record).encode())  # the previous life of this PID
     new = RunLock(store)
     new.acquire()
     new.release()
@@ -507,6 +509,49 @@ def test_a_padded_checkpoint_file_is_not_downloaded_past_its_recorded_size(tmp_p
     assert counts[name][0] <= want["bytes"] + 1, counts
 
 
+def raw_controls(text: str) -> list[str]:
+    """The characters of `text` a terminal would act on (line ends aside)."""
+    return [c for c in text.replace("\r\n", "\n") if not c.isprintable() and c != "\n"]
+
+
+def test_record_strings_are_printed_escaped_by_inspect_checkpoint(tmp_path, dist1, monkeypatch, capsys):  # noqa: F811
+    """A `\r` and an erase-line sequence in a record's stop_reason rewrote inspect_checkpoint.py's
+    line: a step whose shard has the wrong size read "committed". Every record string is escaped."""
+    import runpy
+
+    mgr, app, remote = _two_steps(tmp_path, dist1)
+    mgr.close()
+    rec = json.loads((remote / "step-000000002" / COMMIT).read_text())
+    shard = next(n for n in rec["files"] if n.endswith(".distcp"))
+    (remote / "step-000000002" / shard).write_bytes(b"short")  # wrong size: not "committed"
+    erase = "\r\x1b[2K"
+    rec.update(
+        stop_reason=f"x{erase}         2  dcp_sync       1      0.10  committed",
+        backend=f"dcp_sync{erase}\x1b]0;title\x07",
+        best={"step": 2, "by": f"val/loss{erase}\u202e", "mode": "min", "value": 0.5},
+        metric={f"val/loss{erase}": 0.5},
+    )
+    (remote / "step-000000002" / COMMIT).write_text(json.dumps(rec))
+    step1 = json.loads((remote / "step-000000001" / COMMIT).read_text())
+    (remote / "step-000000001" / COMMIT).write_text(
+        json.dumps({**step1, "backend": f"b{erase}", "best": rec["best"]})
+    )
+    script = str(REPO / "scripts" / "inspect_checkpoint.py")
+    for argv in ([str(remote)], ["--verify", str(remote)], ["--verify", str(remote / "step-000000002")],
+                 [str(remote), "--export", str(tmp_path / "m.safetensors"), "--step", "1"]):  # fmt: skip
+        monkeypatch.setattr("sys.argv", [script, *argv])
+        with contextlib.suppress(SystemExit):
+            runpy.run_path(script, run_name="__main__")
+        out = capsys.readouterr()
+        assert not raw_controls(out.out + out.err), (argv, out)
+    monkeypatch.setattr("sys.argv", [script, str(remote)])
+    runpy.run_path(script, run_name="__main__")
+    table = capsys.readouterr().out
+    (row,) = [line for line in table.splitlines() if line.strip().startswith("2 ")]
+    assert "files missing/wrong size" in row and "stopped: x\\r\\x1b[2K" in row, row
+    assert "best: step 2 (val/loss\\r\\x1b[2K\\u202e = 0.5, min)" in table, table
+
+
 # -- decisions taken from a commit use a verified one ------------------------------------------------
 def _job_cfg(tmp_path, name: str, max_steps: int) -> SimpleNamespace:
     """The nodes the job's decisions read (goodput.run.job._prepare_run), as the schemas build them."""
@@ -555,6 +600,25 @@ def test_a_commit_of_another_run_never_continues_its_mlflow_run(tmp_path, dist1,
     ctx = _prepare_run(c, CTX, mgr, mgr.committed(), True, {})
     assert ctx.mlflow_run_id == theirs
     assert any("records no run identity" in r.message for r in caplog.records)
+
+
+def test_record_strings_in_the_jobs_lines_are_escaped(tmp_path, dist1, caplog):  # noqa: F811
+    """The job's "complete" line and its fence warning print a commit's stop_reason and run name."""
+    erase = "\r\x1b[2K"
+    c = _job_cfg(tmp_path, "mine", max_steps=12)
+    for i, (info, extra) in enumerate(
+        [({}, {"stop_reason": f"early{erase}"}), ({"run": f"theirs{erase}"}, {})]
+    ):
+        mgr = manager(tmp_path / str(i), "dcp_sync", dist1)
+        mgr.commit_info = {"mlflow_run_id": f"r{erase}", "config_hash": "0" * 16, **info}
+        mgr.save(1, make_app(1)[0], extra)
+        mgr.close()
+        try:
+            _prepare_run(c, CTX, mgr, mgr.committed(), False, {})
+        except AlreadyDone as e:
+            assert i == 0 and "(early\\r\\x1b[2K)" in str(e) and not raw_controls(str(e)), str(e)
+    (warning,) = [r.getMessage() for r in caplog.records if "written by run" in r.getMessage()]
+    assert "written by run 'theirs\\r\\x1b[2K'" in warning and not raw_controls(warning), warning
 
 
 # -- caches that outlive the truth -------------------------------------------------------------------

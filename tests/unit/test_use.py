@@ -259,8 +259,10 @@ def test_init_from_refuses_weights_that_do_not_fit(tmp_path, dist1):
     mgr = manager(tmp_path / "new", "dcp_sync", dist1)
     with pytest.raises(
         InitFromError, match=r"shapes differ .*blocks\.0\.0\.weight \(8, 3, 3, 3\) vs \(16, 3, 3, 3\)"
-    ):
-        init_from(mgr, fresh_app(2, width=16)[0], None, src, CLASSES, Storage)
+    ) as e:
+        node = {**record()["node"], "width": 16}  # the worker passes the run's own model node
+        init_from(mgr, fresh_app(2, width=16)[0], None, src, CLASSES, Storage, node)
+    assert f"its model record ({src}/step-000000007) differs: width 8 (this run: 16)" in str(e.value)
     six = [*CLASSES, "dots", "ring"]
     with pytest.raises(InitFromError, match=r"has 4 classes \['cross', .*this run's data has 6 \['cross'"):
         init_from(mgr, fresh_app(2, num_classes=6)[0], None, src, six, Storage)
@@ -313,6 +315,38 @@ def test_make_dataset_writes_a_test_split_only_when_asked(with_test, tmp_path):
     assert "test" not in plain and not (tmp_path / "plain" / "test").exists()
     with open(tmp_path / "plain" / "DATASET.json") as f:  # the default data's record is what it was
         assert set(json.load(f)) == {"train", "val", "num_classes", "image_size", "seed"}
+
+
+def test_make_dataset_script_never_deletes_a_users_images(tmp_path):
+    """Pointed at a folder of the user's own images, the script wrote its demo data over train/,
+    val/ and test/ without a word. Refused in one line, exit 2, every byte kept; --force replaces."""
+    import runpy
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "make_dataset.py"))["main"]
+    mine = tmp_path / "photos"
+    for i, split in enumerate(["train", "val", "test"]):
+        (mine / split / "cats").mkdir(parents=True)
+        (mine / split / "cats" / f"{i}.jpg").write_bytes(bytes([i]) * 100 + os.urandom(50))
+    (mine / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()}
+    small = ["--num-classes", "2", "--train-per-class", "2", "--val-per-class", "1", "--image-size", "16"]
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["--root", str(mine), *small]) == 2
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith(
+        f"make_dataset.py: {mine} holds notes.txt, test, train, val but no DATASET.json"
+    ), err.getvalue()
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before  # byte for byte
+    assert not list(tmp_path.glob("photos.partial-*"))  # nothing generated aside either
+    # its own demo data is replaced without asking; a new or empty folder is written
+    (tmp_path / "empty").mkdir()
+    with redirect_stdout(io.StringIO()):
+        for root in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):
+            assert main(["--root", str(root), *small]) == 0
+        assert main(["--root", str(mine), *small, "--force"]) == 0
+    assert sorted(os.listdir(mine / "train")) == ["disc", "square"] and (mine / "notes.txt").exists()
 
 
 def test_training_never_reads_the_test_split(with_test, monkeypatch):
@@ -505,6 +539,119 @@ def test_predict_refusals_are_one_line_exit_2(tmp_path, with_test):
         assert main([str(good), image]) == 0
     header, row = list(csv.reader(io.StringIO(out.getvalue())))
     assert header == ["path", "class", "probability", "top4"] and row[0] == image and row[1] in CLASSES
+
+
+def test_predict_reads_images_as_training_does_no_fifo_no_link(tmp_path, with_test, caplog):
+    """A FIFO named like an image in a folder blocked predict.py forever; a link in it was followed
+    out of the folder. Walking a folder, both are skipped and counted; named, each is refused."""
+    import runpy
+    import shutil
+    import threading
+
+    from helpers import REPO
+
+    main = runpy.run_path(str(REPO / "scripts" / "predict.py"))["main"]
+    good = tmp_path / "good.safetensors"
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(good), ModelSpec.parse(record(), "x").metadata())
+    images, outside = tmp_path / "images", tmp_path / "outside"
+    images.mkdir()
+    outside.mkdir()
+    shutil.copy(os.path.join(with_test[0], "test", "disc", "000000.jpg"), images / "a.jpg")
+    shutil.copy(os.path.join(with_test[0], "test", "disc", "000001.jpg"), outside / "secret.jpg")
+    os.mkfifo(images / "b.jpg")
+    (images / "c.jpg").symlink_to(outside / "secret.jpg")
+    (images / "sub").symlink_to(outside)
+
+    def bounded(argv):
+        """main(argv) -> (rc, stdout, stderr); a read that blocks fails the test instead of hanging it."""
+        result, out, err = [], io.StringIO(), io.StringIO()
+
+        def run():
+            with redirect_stdout(out), redirect_stderr(err):
+                result.append(main(argv))
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(timeout=20)
+        if th.is_alive():
+            with open(images / "b.jpg", "wb"):  # a writer: the blocked open returns (EOF), the thread ends
+                pass
+            th.join(timeout=20)
+            pytest.fail(f"predict.py {argv} blocked reading a FIFO")
+        return result[0], out.getvalue(), err.getvalue()
+
+    with caplog.at_level(logging.WARNING, logger="goodput.inference"):
+        rc, out, _ = bounded([str(good), str(images)])
+    assert rc == 0
+    assert [row[0] for row in csv.reader(io.StringIO(out))][1:] == [str(images / "a.jpg")]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"{images}: skipped 3 entries that are symbolic links or special"), warning
+    assert all(str(images / n) in warning for n in ("b.jpg", "c.jpg", "sub")), warning
+    for name, kind in [("b.jpg", "a FIFO"), ("c.jpg", "a symbolic link")]:
+        rc, out, err = bounded([str(good), str(images / name)])
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert f"{images / name} is not a regular file ({kind}); refused" in err, err
+
+
+def test_a_record_the_model_cannot_be_built_from_or_fitted_to_is_one_line_exit_2(tmp_path, dist1):
+    """A record whose arguments make the constructor raise (a negative width, an argument the class
+    does not take) ended evaluate.py and predict.py in Hydra's traceback; weights that do not fit it
+    in a message of many lines. One line each, exit 2, naming the step dir and the argument."""
+    import runpy
+
+    from helpers import REPO
+
+    src, _ = source_run(tmp_path, dist1)
+    step = f"{src}/step-000000007"
+    commit = json.loads((tmp_path / "remote" / "step-000000007" / "COMMIT.json").read_text())
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (16, 16)).save(image)
+    for node, message in [
+        ({"width": -1}, "width must be a multiple of 8"),
+        ({"depth": 3}, "unexpected keyword argument 'depth'"),
+        ({"width": 16}, "the weights do not fit its model record"),
+    ]:
+        edited = {**commit, "model": {**commit["model"], "node": {**commit["model"]["node"], **node}}}
+        (tmp_path / "remote" / "step-000000007" / "COMMIT.json").write_text(json.dumps(edited))
+        argument = "{}={!r}".format(*next(iter(node.items())))
+        for script, argv in [("evaluate.py", [step, "--no-mlflow"]), ("predict.py", [step, str(image)])]:
+            main = runpy.run_path(str(REPO / "scripts" / script))["main"]
+            err = io.StringIO()
+            with redirect_stderr(err), redirect_stdout(io.StringIO()):
+                assert main(argv) == 2, (script, node)
+            line = err.getvalue()
+            assert line.count("\n") == 1 and line.startswith(f"{script}: {step}: "), line
+            assert message in line and "goodput.model.SmallCNN(width=" in line and argument in line, line
+
+
+def test_class_names_from_a_record_are_printed_escaped(tmp_path, with_test):
+    """predict.py's CSV and evaluate.py's table print the record's class names: a `\r` and an escape
+    sequence in one are shown escaped, never sent raw to the terminal."""
+    import runpy
+    import shutil
+
+    from helpers import REPO
+
+    data = tmp_path / "data"
+    shutil.copytree(with_test[0], data)
+    evil = "disc\r\x1b[2K\u202e"
+    (data / "val" / "disc").rename(data / "val" / evil)
+    classes = sorted(os.listdir(data / "val"))
+    model = tmp_path / "m.safetensors"
+    spec = ModelSpec.parse(record(classes=classes), "x")
+    save_safetensors(SmallCNN(4, 8).state_dict(), str(model), spec.metadata())
+    image = str(data / "val" / "cross" / "000000.jpg")
+    for script, argv in [("predict.py", [str(model), image]),
+                         ("evaluate.py", [str(model), "--data-root", str(data), "--no-mlflow"])]:  # fmt: skip
+        main = runpy.run_path(str(REPO / "scripts" / script))["main"]
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(argv) == 0, script
+        text = out.getvalue().replace("\r\n", "\n")  # (the CSV's own line ends)
+        assert "disc\\r\\x1b[2K\\u202e" in text, text
+        assert not [c for c in text if not c.isprintable() and c != "\n"], (script, text)
 
 
 def test_a_path_that_is_not_there_is_the_one_run_dir_named_like_it(tmp_path, monkeypatch):

@@ -42,9 +42,11 @@ from goodput.checkpoint.rescue import Rescue
 from goodput.checkpoint.state import AppState
 from goodput.errors import IncompatibleCheckpoint
 from goodput.monitor import Best
+from goodput.resilience.lock import LockLost, check_held
 from goodput.resilience.signals import signals_blocked
 from goodput.storage.checksum import CHECKSUM, file_digest
 from goodput.storage.remote import DIR, FOREIGN, Storage, each
+from goodput.untrusted import printable
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,10 @@ class CheckpointManager:
         pg=None,
         fault=None,
         commit_info: dict | None = None,
+        lock_token: str | None = None,
     ):
         self.cfg, self.storage, self.backend = cfg, storage, backend
+        self.lock_token = lock_token  # the run lock this job holds: checked before each save and commit
         self.rank, self.world, self.local_rank, self.pg = rank, world, local_rank, pg
         self.fault = fault
         self.phase = _no_phase  # a save is a phase of its own for the hang watchdog (its phase())
@@ -151,18 +155,20 @@ class CheckpointManager:
         prep_error = None
         if self.rank == 0:
             try:
+                self._fence()  # before anything is written: the step dir may be another job's now
                 self._set_aside(step)
             except Exception as e:  # keep the ranks in step: fail this save after the collectives
                 prep_error = e
         self._site("save")
-        # Every rank learns whether rank 0 could prepare the step dir before anyone writes into it.
-        ok = torch.tensor([0 if prep_error else 1])
+        # Every rank learns whether rank 0 could prepare the step dir before anyone writes into it
+        # (-1: the run lock is another job's, and every rank stops).
+        ok = torch.tensor([-1 if isinstance(prep_error, LockLost) else 0 if prep_error else 1])
         if self.world > 1:
             dist.all_reduce(ok, group=self.pg, op=dist.ReduceOp.MIN)
-        if not ok.item():
-            return self._failed(
-                step, prep_error or RuntimeError("rank 0 could not prepare the step dir"), 0.0
-            )
+        if ok.item() < 1:
+            lost = LockLost("rank 0 found the run lock held by another job: stopping before the next commit")
+            other = lost if ok.item() < 0 else RuntimeError("rank 0 could not prepare the step dir")
+            return self._failed(step, prep_error or other, 0.0)
         sd = app.state_dict(self.backend.options)
         try:
             pending = self.backend.save(sd, local, self.rank, self.world, self.pg, app.buffer_keys())
@@ -203,10 +209,20 @@ class CheckpointManager:
             info["best"] = self.best.describe()
         return info
 
+    def _fence(self) -> None:
+        """LockLost unless the run lock still names this job (goodput.resilience.lock.check_held):
+        a job whose lock was taken over writes no step dir and no commit."""
+        if self.lock_token is not None:
+            check_held(self.storage, self.lock_token)
+
+    def _fenced_fields(self, app: AppState) -> dict:
+        self._fence()
+        return self.fields(app)
+
     def rescuer(self, strategy, app: AppState, rng, model, attempt) -> Rescue:
         """This rank's rescue (goodput.checkpoint.rescue): the same store, staging dir and commit
         fields as a save; `attempt()` numbers its record."""
-        info = functools.partial(self.fields, app)  # read when the rescue commits
+        info = functools.partial(self._fenced_fields, app)  # read when the rescue commits
         return Rescue(self.cfg.rescue, self.cfg.rescue_timeout_s, self.storage, self.cfg.staging_dir,
                       self.rank, self.world, strategy, app, rng, model, info, attempt)  # fmt: skip
 
@@ -243,7 +259,7 @@ class CheckpointManager:
                 "checkpoint step %d %s in %.2fs", step, "committed" if self.rank == 0 else "uploaded", total
             )
         except BaseException as e:
-            if isinstance(e, KeyboardInterrupt | SystemExit):
+            if isinstance(e, KeyboardInterrupt | SystemExit | LockLost):
                 raise
             self._mark_failed(step, e)
             raise SaveFailed(f"checkpoint of step {step} failed: {e!r}") from e
@@ -318,10 +334,13 @@ class CheckpointManager:
         if ".metadata" in self.backend.rank_files(local, self.rank):
             files[".metadata"] = self._put(local, rel, ".metadata")  # DCP's own marker: after every shard
         self._site("commit")
+        self._fence()  # the last look before the commit: the upload may have taken long
         record = commit_record(step, self.backend, self.world, files, info)
         self.storage.write_bytes(f"{rel}/{COMMIT}", record)
 
     def _failed(self, step: int, e: BaseException, blocking: float) -> float:
+        if isinstance(e, LockLost):  # not a failed save: the run is another job's now
+            raise e
         log.error("checkpoint of step %d failed: %r; the previous committed checkpoint stays", step, e)
         if self.cfg.on_error == "raise":
             raise SaveFailed(f"checkpoint of step {step} failed: {e!r}") from e
@@ -585,7 +604,7 @@ def _other_classes(saved, current) -> str | None:
         return None
 
     def listed(names):
-        shown = ", ".join(str(n) for n in names[:12])
+        shown = ", ".join(printable(n) for n in names[:12])  # names from a record: escaped
         return f"{len(names)} ({shown}{', ...' if len(names) > 12 else ''})"
 
     return (

@@ -12,6 +12,7 @@ own commit and resumes that.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -95,11 +96,13 @@ def init_from(
     source: str | None,
     classes: list[str],
     open_storage: Callable,
+    node: dict | None = None,
 ) -> Weights | None:
     """run.init_from: when the start `resumed` nothing, load the weights of `source` into the model and
     the EMA (every rank reads them, then all agree before any is loaded: the load is collective under
-    FSDP). Strict: a missing or unexpected name or another shape is an InitFromError naming them;
-    another number of classes says so, with both lists."""
+    FSDP). Strict: a missing or unexpected name or another shape is an InitFromError naming them, and
+    the arguments where the source's model record differs from this run's model `node`; another
+    number of classes says so, with both lists."""
     if not source:
         return None
     if resumed is not None:
@@ -109,7 +112,7 @@ def init_from(
     got, err = None, None
     try:
         got = read_weights(source, "model", open_storage=open_storage)
-        fit(app.model, got, classes)
+        fit(app.model, got, classes, node)
     except Exception as e:
         err = e
     if not mgr._agree(err is None):  # (a rank that failed to read would leave the others in a collective)
@@ -131,8 +134,9 @@ def init_from(
     return got
 
 
-def fit(model, got: Weights, classes: list[str]) -> None:
-    """InitFromError unless `got.state` has exactly the model's names and shapes."""
+def fit(model, got: Weights, classes: list[str], node: dict | None = None) -> None:
+    """InitFromError unless `got.state` has exactly the model's names and shapes (naming the arguments
+    where the source's model record differs from `node`, this run's model node)."""
     live = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes (DTensor too)
     src = {k: tuple(v.shape) for k, v in got.state.items()}
     theirs = None
@@ -154,6 +158,15 @@ def fit(model, got: Weights, classes: list[str]) -> None:
                                                                         for k in differ[:5]))  # fmt: skip
     if any(live[k][:1] == (len(classes),) for k in differ):
         parts.append(f"this run has {len(classes)} classes: another num_classes?")
+    if any(parts) and node is not None and got.record is not None:
+        src_node, show = got.spec().node, lambda v: json.dumps(v, default=str)
+        args = [
+            f"{k} {show(src_node.get(k))} (this run: {show(node.get(k))})"
+            for k in sorted(set(src_node) | set(node))
+            if k != "num_classes" and src_node.get(k) != node.get(k)
+        ]
+        if args:
+            parts.append(f"its model record ({got.origin}) differs: {', '.join(args[:5])}")
     if any(parts):
         raise InitFromError(
             f"run.init_from={got.origin} does not fit this run's model: " + "; ".join(p for p in parts if p)

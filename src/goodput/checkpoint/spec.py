@@ -112,10 +112,11 @@ class ModelSpec:
             check_node(task, f"{what}: task node", nested=True)
         return cls(node, list(classes), size, norm["mean"], norm["std"], task)
 
-    def build(self, allow: tuple[str, ...] = ()) -> nn.Module:
+    def build(self, allow: tuple[str, ...] = (), what: str = "the model record") -> nn.Module:
         """The model of this spec with fresh weights (num_classes = len(classes)), on CPU. Every
         `_target_` in the node is checked first (see the module docstring); `allow`: more dotted
-        names to accept."""
+        names to accept. A constructor that raises on the record's arguments (a negative width, an
+        argument it does not take) is a SpecError naming `what` (the step dir or file) and the call."""
         from hydra.utils import instantiate
 
         node = self.node
@@ -129,13 +130,10 @@ class ModelSpec:
         target = node["_target_"]
         try:
             model = instantiate(node, num_classes=self.num_classes)
-        except (
-            Exception
-        ) as e:  # the record's arguments: a constructor that refuses them is the record's fault
+        except Exception as e:  # Hydra's InstantiationException, its cause the constructor's error
             cause = e.__cause__ or e
             raise SpecError(
-                f"model record {_short(self.node)}: {target} refused its arguments "
-                f"({type(cause).__name__}: {str(cause)[:300]})"
+                f"{what}: its model {self.call()} cannot be built: {type(cause).__name__}: {one_line(cause)}"
             ) from None
         if not isinstance(model, nn.Module):
             raise SpecError(f"model _target_ {target!r} returned a {type(model).__name__}, not an nn.Module")
@@ -166,6 +164,12 @@ class ModelSpec:
             raise SpecError(
                 f"task record {_short(node)}: {type(cause).__name__}: {str(cause)[:300]}"
             ) from None
+
+    def call(self) -> str:
+        """The call the record makes, for a message: `_target_(argument=value, ..., num_classes=N)`."""
+        node = {**self.node, "num_classes": self.num_classes}
+        args = ", ".join(f"{k}={v!r}" for k, v in node.items() if k != "_target_")
+        return f"{self.node['_target_']}({args if len(args) <= 300 else args[:300] + ' ...'})"
 
     def transform(self):
         """The eval view of an image (uint8 C x H x W): resize, center crop, normalize, as in training."""
@@ -240,6 +244,12 @@ def _no_weights(node, fns: dict):
 
 def _short(node) -> str:
     return json.dumps(node, default=str)[:200]
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line (torch's and Hydra's span several), at most `limit` chars."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else f"{text[:limit]} ..."
 
 
 def _parameters(fn) -> list[str]:

@@ -67,6 +67,7 @@ def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> Chec
         commit_info={"config_hash": ctx and ctx.config_hash, "mlflow_run_id": ctx and ctx.mlflow_run_id,
                      "run": c.run.name, "identity": ctx and ctx.identity, "max_steps": c.trainer.max_steps,
                      "code": ctx and (ctx.code or None)},
+        lock_token=ctx and ctx.lock_token,
     )  # fmt: skip
 
 

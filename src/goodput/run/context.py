@@ -34,6 +34,10 @@ class RunContext:
     """The code that trains it: {"digest", "files", "git"} (goodput.provenance.code_record), recorded
     in every commit and compared with the commit a relaunch continues."""
 
-    def with_rank0(self, mlflow_run_id: str | None, run_dir: str) -> RunContext:
+    lock_token: str | None = None
+    """The token of the run lock this job holds (goodput.resilience.lock; None: not locked here):
+    every commit first checks that the lock still names it."""
+
+    def with_rank0(self, mlflow_run_id: str | None, run_dir: str, lock_token: str | None) -> RunContext:
         """Under an external launcher every rank prepared its own: the job's are rank 0's."""
-        return replace(self, mlflow_run_id=mlflow_run_id, run_dir=run_dir)
+        return replace(self, mlflow_run_id=mlflow_run_id, run_dir=run_dir, lock_token=lock_token)

@@ -41,6 +41,7 @@ from goodput.tracking import (
     source_tags,
     start_run,
 )
+from goodput.untrusted import printable
 
 log = logging.getLogger("goodput")
 
@@ -108,6 +109,7 @@ def prepare(
     if leader:
         lock = RunLock(view.storage, c.run.lock_stale_seconds)
         lock.acquire()
+        ctx = replace(ctx, lock_token=lock.token)  # every commit checks that the lock is still this job's
     try:
         ctx = _prepare_run(c, ctx, view, committed, leader, params, cfg)
     except BaseException:
@@ -140,7 +142,7 @@ def _prepare_run(
             )
         log.warning("run.overwrite=true: discarding %s", store.url())
         for name, size in store.ls().items():
-            if name == RunLock.NAME:
+            if RunLock.owns(name):  # the lock this job holds, its heartbeat
                 continue
             if size == DIR and _holds_a_run(store.ls(name)):  # a sweep job's run: run.name/<overrides>
                 log.warning("run.overwrite=true: keeping %s, another run's", store.url(name))
@@ -181,7 +183,7 @@ def _prepare_run(
     if newest is not None and newest.get("stop_reason") and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it stopped at step {newest['step']} "
-            f"({newest['stop_reason']}). Checkpoint: {store.url(newest['dir'])}"
+            f"({printable(newest['stop_reason'])}). Checkpoint: {store.url(newest['dir'])}"
         )
     previous_run_id = _run_to_continue(c, newest, store)
     start = explicit or newest
@@ -269,7 +271,7 @@ def _end_not_written(c: Config, newest: dict) -> bool:
     log.warning(
         "run '%s' reached step %d, but its end was not written (MLflow run %s is %s: killed while "
         "ending?): writing it now (the final evaluation, the summary, the logged model)",
-        c.run.name, newest["step"], run_id, status,
+        c.run.name, newest["step"], printable(run_id), status,
     )  # fmt: skip
     return True
 
@@ -404,7 +406,7 @@ def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:
     if rec.get("run") is not None and rec.get("run") != name:
         log.warning(
             "%s was written by run '%s', not '%s': not continuing its MLflow run %s (a new one starts)",
-            store.url(rec["dir"]), rec.get("run"), name, rec.get("mlflow_run_id"),
+            store.url(rec["dir"]), printable(rec.get("run")), name, printable(rec.get("mlflow_run_id")),
         )  # fmt: skip
         return None
     run_id = rec.get("mlflow_run_id")

@@ -24,6 +24,7 @@ from goodput.errors import UserError
 from goodput.model import model_sha256
 from goodput.parallel import init_distributed, shutdown_distributed
 from goodput.resilience.accounting import plot, process_start, restart_round
+from goodput.resilience.lock import LockLost
 from goodput.resilience.preemption import StopSignal, notice_file
 from goodput.resilience.recovery import Recovery
 from goodput.resilience.signals import HELPER_ENV, PREEMPT_SIGNALS
@@ -74,7 +75,9 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             t.close()
             t = Trainer(c, ctx, d, recovery)
             t.watchdog.start()
-        init_from(t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url))
+        init_from(
+            t.ckpt, t.app, rec, c.run.init_from, t.spec.classes, lambda url: storage(c, url), t.spec.node
+        )
         t.stop = stop.rescuing(t.rescue.request)  # a rank stuck past the grace rescues the last step first
         t.evaluate_first = bool(rec and rec.get("evaluate_first"))  # a rescue before its step's evaluation
         t.resumed_rescue = bool(rec and rec.get("kind") == "rescue")
@@ -96,7 +99,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         status, error = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", e
         if t is not None and not isinstance(e, KeyboardInterrupt | SystemExit):
             t.watchdog.stop()  # the rescue bounds itself (checkpoint.rescue_timeout_s)
-            t.rescue.write(f"{type(e).__name__}: {e}")  # a peer died, or this rank's step raised
+            if not isinstance(e, LockLost):  # the run is another job's now: nothing more is written
+                t.rescue.write(f"{type(e).__name__}: {e}")  # a peer died, or this rank's step raised
         if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
             fail_fast(e, t.tracker.close if t is not None else end_run, ctx.run_dir, d.rank)
         raise
@@ -127,8 +131,8 @@ def _process_defaults(c: Config) -> None:
 
 
 def _rank0_view(ctx: RunContext, d) -> RunContext:
-    if d.world > 1:  # external launchers: rank 0's MLflow run and run dir are the job's
-        shared = [ctx.mlflow_run_id, ctx.run_dir]
+    if d.world > 1:  # external launchers: rank 0's MLflow run, run dir and run lock are the job's
+        shared = [ctx.mlflow_run_id, ctx.run_dir, ctx.lock_token]
         dist.broadcast_object_list(shared, src=0)
         ctx = ctx.with_rank0(*shared)
     if d.rank != 0:  # rank hygiene: warnings and errors only

@@ -341,6 +341,12 @@ class Storage:
 
         self._retry(f"write {self.url(rel)}", _write)
 
+    @property
+    def exclusive(self) -> bool:
+        """Whether `create_exclusive` has one winner for certain here: a local root (link(2)) or s3 (a
+        conditional PUT). Elsewhere it checks, then writes: best effort."""
+        return self.local or _is_s3fs(self.fs)
+
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Write `data` at `rel` only if nothing is there (one winner among writers that never talk:
         a rescue's claims and commit). True: this call wrote it (or an earlier try of this call

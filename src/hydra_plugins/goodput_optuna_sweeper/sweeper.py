@@ -51,6 +51,7 @@ class OptunaSweeper(Sweeper):
         self.config: DictConfig | None = None
         self.launcher = None
         self.job_idx = 0
+        self.lock = None  # the search's lock (goodput.resilience.lock), once taken
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -139,6 +140,7 @@ class OptunaSweeper(Sweeper):
         root = root if "://" in root else os.path.abspath(root)
         lock = RunLock(instantiate(c.storage)(f"{root}/{name}"), c.run.lock_stale_seconds)
         lock.acquire()
+        self.lock = lock
         return lock
 
     def _run(self, study, space: dict, fixed: list[str], parent, name: str) -> bool:
@@ -150,6 +152,8 @@ class OptunaSweeper(Sweeper):
         if done:
             log.info("hparams search: study %s continues: %d of %d trials done", name, done, self.n_trials)
         while done < self.n_trials:
+            if self.lock is not None:  # another search took it over: it asks and tells now (LockLost)
+                self.lock.check()
             trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - done))]
             for t in trials:  # each trial its own checkpoints and MLflow run; a resumed one its old run's
                 if t.user_attrs.get(_study.RUN_NAME) is None:
