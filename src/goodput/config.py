@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -291,7 +292,7 @@ def optim_errors(optim: dict) -> list[str]:
     try:
         opt = optimizer(optim["optimizer"])
     except (ValueError, ArithmeticError) as e:
-        return [f"{_culprit('optim.optimizer', optim['optimizer'], optimizer)}: {e}"]
+        return [f"{_culprit('optim.optimizer', optim['optimizer'], optimizer, e)}: {e}"]
 
     def schedule(node):
         return instantiate(node)(opt)
@@ -300,7 +301,7 @@ def optim_errors(optim: dict) -> list[str]:
         if optim.get("schedule") is not None:
             schedule(optim["schedule"])
     except (ValueError, ArithmeticError) as e:
-        return [f"{_culprit('optim.schedule', optim['schedule'], schedule)}: {e}"]
+        return [f"{_culprit('optim.schedule', optim['schedule'], schedule, e)}: {e}"]
     return []
 
 
@@ -339,13 +340,17 @@ def _cause(e: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}" if cause is not e else str(e)
 
 
-def _culprit(where: str, node: dict, build_with) -> str:
-    """`where.<key>=<value>` for the key whose value the constructor refused: the one that, put
-    back to the target's default, makes it build; else `where` (<target>)."""
+def _culprit(where: str, node: dict, build_with, error: BaseException | None = None) -> str:
+    """`where.<key>=<value>` for the key whose value the constructor refused: the one its message
+    starts with (`warmup_steps must be ...`), or the one that, put back to the target's default,
+    makes it build; else `where` (<target>)."""
     import inspect
 
     from hydra.utils import get_object
 
+    said = [k for k in node if not k.startswith("_") and re.match(rf"{re.escape(k)}\b", str(error or ""))]
+    if len(said) == 1:
+        return f"{where}.{said[0]}={node[said[0]]!r}"
     try:
         params = inspect.signature(get_object(node["_target_"])).parameters
     except Exception:
@@ -373,7 +378,7 @@ def validate(c: dict) -> Config:
         except (ValueError, TypeError) as e:
             errors.append(str(e))
     try:  # instantiates the transforms once and checks the output size: a bad list fails here
-        augment.build(c["augment"], c["data"]["image_size"])
+        augment.build(c["augment"], c["data"]["train_crop_size"])
         nodes["augment"] = build(AugmentConfig, c["augment"], "augment")
     except Exception as e:
         errors.append(f"augment: {e}")
@@ -417,6 +422,11 @@ def validate(c: dict) -> Config:
                       "(set parallel.nproc_per_node >= 2)")  # fmt: skip
     if strategy is not None and strategy.shards_parameters and world > 1:
         errors += _shard_plan_errors(c, name)
+    if strategy is not None and strategy.shards_parameters and tr.get("sync_batchnorm"):
+        errors.append(
+            f"trainer.sync_batchnorm=true with parallel.strategy {name}: SyncBatchNorm is for replicas "
+            "(parallel=ddp); under a sharding strategy use a norm without batch statistics (GroupNorm)"
+        )
     if strategy is not None and strategy.shards_parameters and tr.get("channels_last"):
         errors.append(
             f"trainer.channels_last=true with parallel.strategy {name}: FSDP2 shards only contiguous "

@@ -88,6 +88,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("trainer.ema_start_step", True, "the EMA weights"),
     ("trainer.eval_on", False, "which trained weights to evaluate and export; both are kept"),
     ("trainer.channels_last", False, "memory layout: speed, same maths"),
+    ("trainer.sync_batchnorm", True, "BatchNorm statistics over the global batch: other maths"),
+    ("trainer.max_epochs", False, "how far, not what (as max_steps)"),
     ("trainer.eval_top_k", False, "a metric"),
     ("trainer.early_stopping_patience", False, "when to stop, as max_steps"),
     ("trainer.early_stopping_by", False, "when to stop, as max_steps"),
@@ -121,12 +123,17 @@ TABLE: list[tuple[str, bool, str]] = [
     ("data.dataset.*", True, "the layout class and its options: which samples, which labels"),
     ("data.cache_dir", False, "a node-local cache"),
     ("data.image_size", True, "the input resolution"),
+    ("data.train_crop_size", True, "the training view's resolution"),
+    ("data.val_resize_size", False, "the evaluation view; the weights are the same"),
+    ("data.val_crop_size", False, "the evaluation view; the weights are the same"),
+    ("data.repeated_augment", True, "the sample order: each sample N times per epoch"),
     ("data.num_workers", False, "speed; order and augmentation do not depend on it"),
     ("data.prefetch_factor", False, "speed"),
     ("data.prefetch_steps", False, "speed"),
     ("data.on_bad_sample", False, "what to do on a bad file; relaunch with skip to go on"),
     # augment
     ("augment.train.*", True, "the training transforms"),
+    ("augment.after_normalize.*", True, "the training transforms after normalization"),
     ("augment.mean", True, "the normalization"),
     ("augment.std", True, "the normalization"),
     # checkpoint
@@ -152,6 +159,7 @@ TABLE: list[tuple[str, bool, str]] = [
     ("optim.schedule.warmup_steps", True, "the LR schedule"),
     ("optim.schedule.min_lr_ratio", True, "the LR schedule"),
     ("optim.schedule.total_steps", True, "as written: ${trainer.max_steps} follows the run's end"),
+    ("optim.schedule.warmup_epochs", True, "the LR schedule (its warm-up in epochs)"),
     # parallel
     ("parallel.strategy.*", False, "world layout: resumes within the resharding tolerance"),
     ("parallel.nproc_per_node", False, "world size: resumes within the resharding tolerance"),
@@ -213,6 +221,10 @@ NEUTRAL: dict[str, Any] = {
     "task.loss.label_smoothing": 0.0,
     "batch_augment._target_": "goodput.recipe.batch.MixUpCutMix",
     "demo_data.kind": "shapes",
+    "data.train_crop_size": "${data.image_size}",  # (compared as written)
+    "data.repeated_augment": 1,
+    "augment.after_normalize": [],
+    "trainer.sync_batchnorm": False,
 }
 # `_target_`s of classes that moved -> the name runs were digested with
 MOVED = {"goodput.recipe.models.SmallCNN": "goodput.model.SmallCNN"}
@@ -299,7 +311,7 @@ def keys(cfg) -> dict[str, Any]:
                 value = _value(cfg, key, v)
                 if key.endswith("_target_"):
                     value = MOVED.get(value, value)
-                if value is not None and NEUTRAL.get(key, _UNSET) != value:
+                if value is not None and NEUTRAL.get(key, _UNSET) not in (value, v):
                     out[key] = value
         return out
     finally:

@@ -247,7 +247,8 @@ def evaluation_loader(loaded: Loaded, root: str, dataset: dict, split: str, batc
     spec = loaded.spec
     cfg = DataConfig(
         source={"_target_": "goodput.data.sources.RemoteSource"}, root=root, dataset=dataset, cache_dir=None,
-        image_size=spec.image_size, num_workers=workers,
+        image_size=spec.image_size, train_crop_size=spec.image_size, val_crop_size=spec.image_size,
+        val_resize_size=spec.resize_size or spec.image_size, num_workers=workers,
     )  # fmt: skip
     norm = AugmentConfig(train=[], mean=spec.mean, std=spec.std)
     loader = eval_loader(cfg, store, batch_size, 0, 1, loaded.device, norm, split=split)

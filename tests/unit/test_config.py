@@ -41,7 +41,10 @@ GROUPS = {
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_resolves(group, option):
+    from goodput.run.job import epochs_to_steps
+
     cfg = compose_train([f"{group}={option}", "paths.root=/tmp/goodput-compose"])
+    epochs_to_steps(cfg)  # as goodput.run.job.prepare does (experiment=recipe counts epochs)
     c = OmegaConf.to_container(cfg, resolve=True)
     assert c["paths"]["root"] == "/tmp/goodput-compose"
     assert c["checkpoint"]["dir"].startswith("/tmp/goodput-compose/checkpoints/")

@@ -29,7 +29,7 @@ from goodput.untrusted import RecordError, parse_record
 # class; a goodput *function* could write files where the record says, e.g. the demo data generator.)
 BUILDERS = ("torchvision.models",)
 FIELDS = ("node", "classes", "image_size", "mean", "std")  # every record has them
-OPTIONAL = ("task",)  # a record written before the task seam has none: classification, cross-entropy
+OPTIONAL = ("task", "resize_size")  # older records have neither: classification; resize = image_size
 DEFAULT_TASK = {
     "_target_": "goodput.recipe.task.Classification",
     "loss": {"_target_": "torch.nn.CrossEntropyLoss"},
@@ -48,15 +48,17 @@ class ModelSpec:
     mean: list[float]
     std: list[float]
     task: dict | None = None  # the `task` node (None: a record from before it: DEFAULT_TASK)
+    resize_size: int | None = None  # the eval view's resize before the image_size crop (None: image_size)
 
     @classmethod
-    def of(cls, c, classes: list[str], image_size: int) -> ModelSpec:
+    def of(cls, c, classes: list[str], image_size: int, resize_size: int | None = None) -> ModelSpec:
         """The spec of a run's model (`c`: goodput.config.Config) trained on `classes`. The config is
         copied whole, like summary.json's (`asdict`, `dict`): a record, not a second reader of its keys."""
         mean, std = (asdict(c.augment)[k] for k in ("mean", "std"))
         node, task = (json.loads(json.dumps(dict(n))) for n in (c.model, c.task))  # plain copies
+        resize = int(resize_size) if resize_size not in (None, image_size) else None
         return cls(node, list(classes), int(image_size), [float(v) for v in mean], [float(v) for v in std],
-                   task)  # fmt: skip
+                   task, resize)  # fmt: skip
 
     @property
     def num_classes(self) -> int:
@@ -110,7 +112,14 @@ class ModelSpec:
         task = rec.get("task")
         if task is not None:
             check_node(task, f"{what}: task node", nested=True)
-        return cls(node, list(classes), size, norm["mean"], norm["std"], task)
+        resize = rec.get("resize_size")
+        if resize is not None and not (
+            isinstance(resize, int) and not isinstance(resize, bool) and size <= resize <= 8192
+        ):
+            raise SpecError(
+                f"{what}: resize_size must be an integer in [image_size, 8192] or null, got {resize!r}"
+            )
+        return cls(node, list(classes), size, norm["mean"], norm["std"], task, resize)
 
     def build(self, allow: tuple[str, ...] = (), what: str = "the model record") -> nn.Module:
         """The model of this spec with fresh weights (num_classes = len(classes)), on CPU. Every
@@ -173,7 +182,7 @@ class ModelSpec:
 
     def transform(self):
         """The eval view of an image (uint8 C x H x W): resize, center crop, normalize, as in training."""
-        return augment.eval_transform(self.image_size, self.mean, self.std)
+        return augment.eval_transform(self.image_size, self.mean, self.std, self.resize_size)
 
     def preprocess(self, img: torch.Tensor) -> torch.Tensor:
         return self.transform()(img)

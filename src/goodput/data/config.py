@@ -43,8 +43,25 @@ class DataConfig:
     local disk. Shared by every rank and worker on the node and kept across restarts."""
 
     image_size: int = 32
-    """Side of the square training image, in pixels (the augment pipeline ends there, eval resizes
-    and center-crops to it). Also the size of the generated demo images. Cost grows with its square."""
+    """Side of the square image, in pixels: the default of the three views below, and the size of
+    the generated demo images. Cost grows with its square."""
+
+    train_crop_size: int = "${data.image_size}"  # type: ignore[assignment]
+    """The training view: the side the augment pipeline ends at (its presets crop to it). Lower than
+    val_crop_size trains faster and, with a larger val_resize_size, often evaluates better
+    (torchvision's ResNet-50 recipe: 176 train, resize 232, crop 224: "FixRes")."""
+
+    val_resize_size: int = "${data.image_size}"  # type: ignore[assignment]
+    """The evaluation view: the short side is resized to this, then center-cropped to val_crop_size.
+    The model record carries both, so evaluate.py and predict.py see what evaluation saw."""
+
+    val_crop_size: int = "${data.image_size}"  # type: ignore[assignment]
+    """The evaluation view's center crop (at most val_resize_size)."""
+
+    repeated_augment: int = 1
+    """Each sample N times per epoch, each copy with its own augmentation, placed so that on N ranks
+    the copies land on different ranks (repeated augmentation, torchvision's RASampler); an epoch is
+    then N times as many steps. trainer.global_batch_size must be a multiple of N. 1 = off."""
 
     num_workers: int = 2
     """DataLoader processes per rank that decode and augment. 0 = in the training process (simplest
@@ -66,14 +83,31 @@ class DataConfig:
 
     def __post_init__(self):
         e = []
+        for key in (
+            "train_crop_size",
+            "val_resize_size",
+            "val_crop_size",
+        ):  # built outside Hydra: the default
+            if getattr(self, key) == "${data.image_size}":
+                setattr(self, key, self.image_size)
         if not (isinstance(self.source, dict) and "_target_" in self.source):
             e.append(f"data.source must be a node with a _target_ (a class), got {self.source!r}")
         if not (isinstance(self.dataset, dict) and "_target_" in self.dataset):
             e.append(f"data.dataset must be a node with a _target_ (a class), got {self.dataset!r}")
         if self.num_workers < 0:
             e.append(f"data.num_workers must be >= 0, got {self.num_workers}")
-        if self.image_size < 8:
-            e.append(f"data.image_size must be >= 8, got {self.image_size}")
+        for key in ("image_size", "train_crop_size", "val_resize_size", "val_crop_size"):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 8):
+                e.append(f"data.{key} must be an integer >= 8, got {v!r}")
+        views = (self.val_crop_size, self.val_resize_size)
+        if all(isinstance(v, int) for v in views) and self.val_crop_size > self.val_resize_size:
+            e.append(
+                f"data.val_crop_size={self.val_crop_size} is larger than data.val_resize_size="
+                f"{self.val_resize_size}: the center crop must fit in the resized image"
+            )
+        if not (isinstance(self.repeated_augment, int) and self.repeated_augment >= 1):
+            e.append(f"data.repeated_augment must be an integer >= 1, got {self.repeated_augment!r}")
         if self.prefetch_factor < 1:
             e.append(f"data.prefetch_factor must be >= 1, got {self.prefetch_factor}")
         if self.prefetch_steps < 1:

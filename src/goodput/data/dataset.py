@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image
 
 from goodput.data import augment
-from goodput.data.sampler import sample_seed
+from goodput.data.sampler import copy_seed
 from goodput.errors import UserError
 from goodput.resilience.accounting import restart_round
 from goodput.storage.local import atomic_file
@@ -337,7 +337,7 @@ class ImageDataset(torch.utils.data.Dataset):
         return {"image": img, "label": blank, "index": index, "hit": hit, "bytes": nbytes, "ok": ok}
 
     def __getitem__(self, key) -> dict:
-        epoch, index = key if isinstance(key, tuple) else (0, key)
+        epoch, index, copy = (*key, 0)[:3] if isinstance(key, tuple) else (0, key, 0)
         if index < 0:
             return self._blank(index, ok=1)
         rel = self.files.files[index]
@@ -356,7 +356,7 @@ class ImageDataset(torch.utils.data.Dataset):
                 f"file, or set data.on_bad_sample=skip"
             ) from e
         if self.train:
-            x = seeded(self.transform, img, sample_seed(self.seed, epoch, index))
+            x = seeded(self.transform, img, copy_seed(self.seed, epoch, index, copy))
         else:
             x = self.transform(img)
         target = getattr(self.files, "target", None)  # a dataset class of your own may not have one

@@ -255,13 +255,16 @@ class ResumableLoader:
     ):
         self.cfg, self.rank, self.world, self.max_steps = cfg, rank, world, max_steps
         self.source, self.files = open_split(cfg, storage, "train")
-        self.order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
+        order = self.source.order(self.files, global_batch_size, seed, cfg.prefetch_steps)
+        self.order = order.repeated(cfg.repeated_augment)
         dropped = dropped_per_epoch(len(self.files), global_batch_size, world)
         if dropped and rank == 0:
             log.warning("%s", dropped)
-        train_tf = augmentation.build(augment, cfg.image_size)[0]  # the `augment` node; None = its defaults
+        train_tf = augmentation.build(augment, cfg.train_crop_size)[
+            0
+        ]  # the `augment` node; None = its defaults
         self.dataset = ImageDataset(
-            self.source, self.files, cfg.image_size, seed, True, cfg.on_bad_sample, train_tf
+            self.source, self.files, cfg.train_crop_size, seed, True, cfg.on_bad_sample, train_tf
         )
         self.device = device
         self.seed = seed
@@ -387,6 +390,7 @@ class ResumableLoader:
             "fingerprint": self.files.fingerprint,
             "sizes_sha256": self.sizes_sha256,
             "global_batch_size": self.order.global_batch_size,
+            "repeated_augment": self.order.repeats,
             "sample_order_sha256": self.chain.hexdigest,
         }
 
@@ -409,10 +413,16 @@ class ResumableLoader:
                 f"train this run on other data than its checkpoints; restore the data, or train on it "
                 f"as a new run: run.name=<another name>"
             )
-        if sd["global_batch_size"] != self.order.global_batch_size or sd["seed"] != self.seed:
+        repeats = sd.get("repeated_augment", 1)  # (older checkpoints: none, 1)
+        if (sd["global_batch_size"], sd["seed"], repeats) != (
+            self.order.global_batch_size,
+            self.seed,
+            self.order.repeats,
+        ):
             raise IncompatibleCheckpoint(
-                f"checkpoint used seed={sd['seed']} global_batch_size={sd['global_batch_size']}, this run "
-                f"seed={self.seed} global_batch_size={self.order.global_batch_size}: "
+                f"checkpoint used seed={sd['seed']} global_batch_size={sd['global_batch_size']} "
+                f"data.repeated_augment={repeats}, this run seed={self.seed} global_batch_size="
+                f"{self.order.global_batch_size} data.repeated_augment={self.order.repeats}: "
                 f"the sample order would differ"
             )
         self.step = sd["step"]
@@ -449,8 +459,10 @@ def eval_loader(
     """Validation split (or `split`: scripts/evaluate.py --split test), sharded across ranks with
     equal batch counts (padding index -1 is ignored). Training reads train/ and val/ only."""
     source, files = open_split(cfg, storage, split)
-    eval_tf = augmentation.build(augment, cfg.image_size)[1]  # derived from the same node: one normalization
-    ds = ImageDataset(source, files, cfg.image_size, 0, False, cfg.on_bad_sample, eval_tf)
+    # derived from the same node (one normalization): resize to val_resize_size, crop to val_crop_size
+    eval_tf = augmentation.build(augment, cfg.train_crop_size, cfg.val_resize_size, cfg.val_crop_size)[1]
+    ds = ImageDataset(source, files, cfg.val_crop_size, 0, False, cfg.on_bad_sample, eval_tf)
+    ds.resize_size = cfg.val_resize_size  # the view's resize, for the model record
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))
     idx += [-1] * (per_rank - len(idx))

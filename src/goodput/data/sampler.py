@@ -5,6 +5,11 @@ positions [k*G, (k+1)*G) of it (G = global batch size, the last partial batch of
 rank r of W takes the contiguous slice [r*G/W, (r+1)*G/W) of that global batch. Nothing here depends
 on worker count, and the *global* order does not depend on W: that is what makes resume exact and
 elastic. The only state is (seed, step); epoch and position are derived from it.
+
+Repeated augmentation (data.repeated_augment=N): global batch k holds G/N samples of the epoch's
+permutation, N times over (copy c at positions [c*G/N, (c+1)*G/N)), so on N ranks each rank holds
+one copy of every sample of the step and no rank holds two; the dataset key carries the copy, whose
+augmentation has its own seed. An epoch is N x num_samples // G steps.
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ class DatasetTooSmall(UserError, ValueError):
 
 
 class GlobalOrder:
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
-        if num_samples < global_batch_size:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, repeats: int = 1):
+        if global_batch_size % repeats:
+            raise ValueError(
+                f"data.repeated_augment={repeats} must divide trainer.global_batch_size={global_batch_size}"
+            )
+        if num_samples * repeats < global_batch_size:
             raise DatasetTooSmall(
                 f"the training split has {num_samples} samples, fewer than one global batch "
                 f"(trainer.global_batch_size={global_batch_size}): set trainer.global_batch_size to at "
@@ -32,7 +41,15 @@ class GlobalOrder:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.steps_per_epoch = num_samples // global_batch_size
+        self.repeats = repeats
+        self.steps_per_epoch = num_samples * repeats // global_batch_size
+
+    def repeated(self, repeats: int) -> GlobalOrder:
+        """This order with every sample `repeats` times per epoch (data.repeated_augment; a source's
+        order class, ShardOrder too, gets it through here)."""
+        if repeats != self.repeats:
+            GlobalOrder.__init__(self, self.num_samples, self.global_batch_size, self.seed, repeats)
+        return self
 
     @lru_cache(maxsize=2)  # noqa: B019 - a handful of orders per run, each lives as long as the run
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -44,12 +61,18 @@ class GlobalOrder:
 
     def global_batch(self, step: int) -> torch.Tensor:
         epoch, k = divmod(step, self.steps_per_epoch)
-        g = self.global_batch_size
-        return self.permutation(epoch)[k * g : (k + 1) * g]
+        g = self.global_batch_size // self.repeats  # distinct samples per step
+        batch = self.permutation(epoch)[k * g : (k + 1) * g]
+        return batch.repeat(self.repeats) if self.repeats > 1 else batch
 
     def rank_batch(self, step: int, rank: int, world: int) -> list[int]:
         b = self.global_batch_size // world
         return self.global_batch(step)[rank * b : (rank + 1) * b].tolist()
+
+    def rank_copies(self, rank: int, world: int) -> list[int]:
+        """The copy number (repeated augmentation) of each position of a rank's batch."""
+        b, distinct = self.global_batch_size // world, self.global_batch_size // self.repeats
+        return [p // distinct for p in range(rank * b, (rank + 1) * b)]
 
 
 def dropped_per_epoch(num_samples: int, global_batch_size: int, world: int) -> str | None:
@@ -79,6 +102,11 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(seed, epoch, index)
 
 
+def copy_seed(seed: int, epoch: int, index: int, copy: int) -> int:
+    """Augmentation seed of copy `copy` of a sample (data.repeated_augment); copy 0 is sample_seed's."""
+    return sample_seed(seed, epoch, index) if copy == 0 else _mix(seed, epoch, index, copy)
+
+
 def batch_seed(seed: int, step: int) -> int:
     """Seed of the batch transform of the step after `step` (goodput.recipe.batch): a pure function of
     (seed, step), the same on every rank."""
@@ -88,9 +116,9 @@ def batch_seed(seed: int, step: int) -> int:
 class StepBatchSampler:
     """Yields this rank's batches for steps [start, stop) as lists of (epoch, index) keys.
 
-    The dataset receives the epoch with the index, so augmentation can be seeded per sample
-    without any worker-local RNG. DataLoader workers each take whole batches, so every worker
-    gets a disjoint slice, whatever `num_workers` is.
+    The dataset receives the epoch with the index (and the copy, with repeated augmentation), so
+    augmentation can be seeded per sample without any worker-local RNG. DataLoader workers each
+    take whole batches, so every worker gets a disjoint slice, whatever `num_workers` is.
     """
 
     def __init__(self, order: GlobalOrder, rank: int, world: int, start: int, stop: int):
@@ -100,9 +128,13 @@ class StepBatchSampler:
         return max(0, self.stop - self.start)
 
     def __iter__(self):
+        copies = self.order.rank_copies(self.rank, self.world) if self.order.repeats > 1 else None
         for step in range(self.start, self.stop):
-            epoch = self.order.epoch_of(step)
-            yield [(epoch, i) for i in self.order.rank_batch(step, self.rank, self.world)]
+            epoch, batch = self.order.epoch_of(step), self.order.rank_batch(step, self.rank, self.world)
+            if copies is None:
+                yield [(epoch, i) for i in batch]
+            else:  # the copy's own augmentation (copy_seed)
+                yield [(epoch, i, c) for i, c in zip(batch, copies)]
 
 
 class OrderHash:

@@ -50,6 +50,11 @@ def storage(c: Config, root: str) -> Storage:
     return instantiate(c.storage)(root)
 
 
+def storage_of(node: dict, root: str) -> Storage:
+    """`storage` from the resolved `storage` node alone (before the config is validated)."""
+    return instantiate(node)(root)
+
+
 def checkpoint_manager(c: Config, ctx: RunContext | None = None, d=None) -> CheckpointManager:
     """The `checkpoint` node's manager and backend. Without `d` (the job process): rank 0 of 1, to
     list and check the run's checkpoints before any worker starts. Each commit records `ctx`'s
@@ -139,6 +144,8 @@ class Trainer:
         # shards the module in place)
         self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
+        if tr.sync_batchnorm and strategy.distributed:  # statistics over the global batch (same buffers)
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         plan = shard_plan(model, c.model.get("_target_"), c.parallel.shard_units)
         missing = missing_plan(model, c.model.get("_target_"), c.parallel.shard_units)
         if strategy.shards_parameters and missing:  # (validate refused it already, on the meta device)
@@ -167,7 +174,8 @@ class Trainer:
         self.ckpt_store = self.ckpt.storage
         # What the weights need to be used (scripts/evaluate.py, predict.py, the export, the MLflow
         # model): recorded in every commit, with the data that evaluates them and the weights it did.
-        self.spec = ModelSpec.of(c, self.loader.files.classes, size)
+        view = self.val_loader.dataset  # the eval view: the model record carries it
+        self.spec = ModelSpec.of(c, self.loader.files.classes, view.image_size, view.resize_size)
         self.ckpt.commit_info.update(model=self.spec.record(), eval_on=tr.eval_on,
                                      data=data_record(data_store, c.data))  # fmt: skip
         self.early_stopping = EarlyStopping(

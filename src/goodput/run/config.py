@@ -17,8 +17,14 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 class TrainerConfig:
     """Schema of `trainer`: how long, how big, how often to evaluate and log."""
 
-    max_steps: int = MISSING
-    """Optimizer steps of the whole run (set by the experiment). A relaunch continues to it."""
+    max_steps: int | None = MISSING
+    """Optimizer steps of the whole run (set by the experiment). A relaunch continues to it. null
+    with max_epochs set: the job derives it from the training split's size."""
+
+    max_epochs: int | None = None
+    """The run's length in epochs instead (with trainer.max_steps=null: exactly one is set); the job
+    turns it into max_steps = max_epochs x steps per epoch (training samples x data.repeated_augment
+    // global batch), so everything after (the LR schedule, "already done?") counts steps."""
 
     global_batch_size: int = 128
     """Samples per step over all ranks; fixed across world sizes (the sample order depends on it),
@@ -85,6 +91,11 @@ class TrainerConfig:
 
     eval_on: str = "model"
     """Which weights evaluation (and export) uses: `model` (the trained weights) or `ema`."""
+
+    sync_batchnorm: bool = False
+    """parallel=ddp: BatchNorm statistics over the whole global batch (nn.SyncBatchNorm; one
+    all-reduce per BatchNorm layer in each forward) instead of each rank's part. Its buffers are the
+    same as BatchNorm's: checkpoints move between the two. Not under fsdp/hsdp (refused)."""
 
     channels_last: bool = False
     """NHWC memory layout for the model and its inputs: faster convolutions on GPUs with tensor
@@ -198,7 +209,11 @@ class TrainerConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             e.append(f"trainer.peak_tflops must be > 0 or null, got {self.peak_tflops}")
         if not (isinstance(self.max_steps, int) and self.max_steps > 0):
-            e.append(f"trainer.max_steps must be > 0, got {self.max_steps}")
+            e.append(
+                f"trainer.max_steps must be > 0 (or null with trainer.max_epochs set), got {self.max_steps}"
+            )
+        if self.max_epochs is not None and not (isinstance(self.max_epochs, int) and self.max_epochs > 0):
+            e.append(f"trainer.max_epochs must be > 0 or null, got {self.max_epochs!r}")
         if not (isinstance(self.global_batch_size, int) and self.global_batch_size > 0):
             e.append(f"trainer.global_batch_size must be > 0, got {self.global_batch_size}")
         if self.eval_every_n_steps < 0:
@@ -271,5 +286,9 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.05
     """Cosine decay ends at lr x min_lr_ratio at total_steps."""
 
-    total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
+    total_steps: int | None = "${trainer.max_steps}"  # type: ignore[assignment]
     """Where the decay ends: the run's trainer.max_steps."""
+
+    warmup_epochs: float | None = None
+    """The warm-up in epochs instead of steps (null = warmup_steps counts); the job turns it into
+    warmup_steps = round(warmup_epochs x steps per epoch). A warm-up as long as the run is refused."""

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from goodput import identity, provenance
 from goodput.checkpoint.export import SourceError, locate
 from goodput.checkpoint.layout import parse_step
-from goodput.config import Config, config_hash, validate
+from goodput.config import Config, ConfigError, config_hash, validate
 from goodput.data.synthetic import COMPLETE, foreign_files, make_dataset, read_record
 from goodput.errors import UserError
 from goodput.resilience.accounting import process_start
@@ -82,6 +82,7 @@ def prepare(
     if multirun_suffix:  # each sweep job its own run, also when the sweep is over non-identity keys
         cfg.run.name = f"{cfg.run.name}/{multirun_suffix}"
     ident = identity.record(cfg)  # from the composed config: some values count as written
+    epochs_to_steps(cfg)  # (after the identity: a run is named by its epochs, as written)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # The goodput ledger counts this launch from the process's start, imports included; the later
     # jobs of a sweep run in the same process (Hydra's basic launcher), each from its own start.
@@ -117,6 +118,52 @@ def prepare(
             lock.release()
         raise
     return c, ctx, lock
+
+
+def epochs_to_steps(cfg: DictConfig) -> None:
+    """trainer.max_epochs and optim.schedule.warmup_epochs turned into steps in the composed config,
+    before it is resolved (so what interpolates trainer.max_steps, the schedule's end, follows). The
+    run's name is fixed first: the run is named by what was written (epochs), not by the steps."""
+    tr, sched = cfg.trainer, cfg.optim.get("schedule")
+    epochs = OmegaConf.to_container(cfg, resolve=False)["trainer"].get("max_epochs")  # (as written)
+    epochs = tr.max_epochs if epochs is not None else None  # (resolved)
+    warm = sched.get("warmup_epochs") if isinstance(sched, DictConfig) else None
+    if epochs is None and warm is None:
+        return
+    if epochs is not None and tr.get("max_steps") is not None:
+        raise ConfigError(
+            f"trainer.max_epochs={epochs} and trainer.max_steps={tr.max_steps} are both set: a run's length "
+            "is one of them (trainer.max_steps=null to train by epochs)"
+        )
+    per = steps_per_epoch(cfg)
+    cfg.run.name = str(cfg.run.name)
+    if epochs is not None:
+        tr.max_steps = int(epochs) * per
+        log.info("trainer.max_epochs=%s: %d steps (%d a epoch)", epochs, tr.max_steps, per)
+    if warm is not None:
+        sched.warmup_steps, sched.warmup_epochs = int(round(float(warm) * per)), None
+
+
+def steps_per_epoch(cfg: DictConfig) -> int:
+    """Optimizer steps in an epoch of the training split: samples x data.repeated_augment // global
+    batch. The demo data's size is its config's; other data is listed (one listing of train/)."""
+    from goodput.data.config import DataConfig
+    from goodput.data.loader import open_split
+
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    gbs, repeats = int(cfg.trainer.global_batch_size), int(data["repeated_augment"])
+    if data["root"] == str(cfg.paths.data_dir):
+        n = int(cfg.demo_data.num_classes) * int(cfg.demo_data.train_per_class)
+    else:
+        store = build.storage_of(OmegaConf.to_container(cfg.storage, resolve=True), data["root"])
+        n = len(open_split(DataConfig(**data), store, "train")[1])
+    per = n * repeats // gbs
+    if per < 1:
+        raise ConfigError(
+            f"an epoch of {n} training samples x data.repeated_augment={repeats} is less than one global "
+            f"batch (trainer.global_batch_size={gbs}): trainer.max_epochs cannot count steps"
+        )
+    return per
 
 
 def _prepare_run(

@@ -7,13 +7,25 @@ import math
 import torch
 
 
-def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 20, min_lr_ratio: float = 0.05):
+def warmup_cosine(
+    optimizer, total_steps: int, warmup_steps: int = 20, min_lr_ratio: float = 0.05, warmup_epochs=None
+):
     """Linear warm-up, then cosine decay to lr x min_lr_ratio at total_steps. A value that makes no
-    schedule is a ValueError (goodput.config.optim_errors names the key before any work). The
-    defaults are ScheduleConfig's: they let that check find which key was refused."""
+    schedule is a ValueError (goodput.config.optim_errors names the key before any work), a warm-up
+    as long as the run or longer too (the LR would never leave it). The defaults are
+    ScheduleConfig's: they let that check find which key was refused. `warmup_epochs` is turned
+    into warmup_steps by the job (goodput.run.job.epochs_to_steps), which knows the epoch's length."""
+    if warmup_epochs is not None:
+        raise ValueError("warmup_epochs is turned into warmup_steps by goodput.run.job.prepare")
     for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    if warmup_steps and warmup_steps >= total_steps:
+        raise ValueError(
+            f"the warm-up (warmup_steps={warmup_steps}) is as long as the run or longer (total_steps="
+            f"{total_steps}, trainer.max_steps): the LR would never leave it. Shorten the warm-up "
+            "(optim.schedule.warmup_steps or warmup_epochs) or train longer"
+        )
     if (
         isinstance(min_lr_ratio, bool)
         or not isinstance(min_lr_ratio, int | float)
