@@ -188,6 +188,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("mlflow.parent_run_id", False, "where the run is shown"),
     ("mlflow.system_metrics_interval_s", False, "observability"),
     ("mlflow.artifact_timeout_s", False, "a timeout"),
+    ("mlflow.start_timeout_s", False, "a timeout"),
+    ("mlflow.end_timeout_s", False, "a timeout"),
 ]
 
 KEYS = {k.removesuffix(".*"): ident for k, ident, _ in TABLE if not k.endswith(".*")}
