@@ -40,17 +40,20 @@ DEFAULT_STORE = "sqlite:///outputs/mlflow.db"  # the default job's store, from t
 
 
 def default_store(checkpoint: str) -> str:
-    """MLFLOW_TRACKING_URI, else the run's own store: the `mlflow.db` of the paths.root the checkpoint
-    dir lies under (<root>/checkpoints/<run>[/<trial>][/step-N]), if there is one; else DEFAULT_STORE.
-    Found from the path you gave, never from what a record says."""
+    """MLFLOW_TRACKING_URI, else the run's own store: `<root>/mlflow.db` when the checkpoint lies
+    under `<root>/checkpoints/<run>` (a paths.root's checkpoint dir: [/<trial>][/step-N] below it),
+    else DEFAULT_STORE. Found from the path you gave, never from what a record says, and never from
+    an mlflow.db that merely sits in some folder above it: that store is somebody else's."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     if "://" not in checkpoint:
         here = os.path.abspath(checkpoint)
-        for _ in range(4):
-            here = os.path.dirname(here)
-            if os.path.isfile(os.path.join(here, "mlflow.db")):
-                return f"sqlite:///{os.path.join(here, 'mlflow.db')}"
+        while (up := os.path.dirname(here)) != here:  # each `checkpoints` folder above the run's dir
+            if os.path.basename(up) == "checkpoints":  # (a run may be named `checkpoints` too)
+                store = os.path.join(os.path.dirname(up), "mlflow.db")
+                if os.path.isfile(store):
+                    return f"sqlite:///{store}"
+            here = up
     return DEFAULT_STORE
 
 

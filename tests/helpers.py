@@ -250,11 +250,14 @@ def collector_left_as_found():
 @contextmanager
 def process_state_kept():
     """What a worker sets for the whole process (threads, determinism, logging, the preemption
-    handlers), put back after a job run in this process. A run that raised keeps its StopSignal
-    handlers on purpose (a SIGTERM must not kill its rescue write); the next test gets the old ones."""
+    handlers, MLflow's tracking URI: goodput.publish sets it, and MLflow exports it as
+    MLFLOW_TRACKING_URI, which the next job's config would read), put back after a job run in this
+    process. A run that raised keeps its StopSignal handlers on purpose (a SIGTERM must not kill its
+    rescue write); the next test gets the old ones."""
     import logging
     import signal
 
+    import mlflow.tracking._tracking_service.utils as mlflow_uri
     import torch
 
     from goodput import logs
@@ -268,10 +271,16 @@ def process_state_kept():
         root.handlers[:],
         logs._who,  # the worker's rank in every line (`rank0`); later tests log as the job again
         {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS},
+        (mlflow_uri._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")),
     )
     try:
         yield
     finally:
+        mlflow_uri._tracking_uri = saved[6][0]
+        if saved[6][1] is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved[6][1]
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
         root.setLevel(saved[2])
@@ -491,3 +500,72 @@ class WithHead(torch.nn.Module):
 
     def forward(self, x):
         return self.out(self.net(x))
+
+
+class SilentStore:
+    """An HTTP store on loopback that accepts every connection and never answers it (what a hung
+    tracking server or artifact store looks like to MLflow's client: each request waits its 120 s
+    timeout, 8 times). After `answer()`, new connections are served as a minimal artifact store
+    (PUT stored by path, 200); the held ones stay unanswered. `close()` drops them all."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held, self.put, self._answer = [], {}, threading.Event()
+        threading.Thread(target=self._accept, name="silent store", daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        store = self
+
+        class Answer(BaseHTTPRequestHandler):
+            def do_PUT(self):
+                store.put[self.path] = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        while True:
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:  # closed
+                return
+            if not self._answer.is_set():
+                self.held.append(conn)
+            else:
+                threading.Thread(target=Answer, args=(conn, addr, None), daemon=True).start()
+
+    def answer(self) -> None:
+        self._answer.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+# MLflow's own tracking server (its Flask app, artifacts proxied) in one process: `python -c
+# MLFLOW_SERVER ROOT PORT_FILE`. Seconds to start, where `mlflow server` takes 15 and forks ten.
+MLFLOW_SERVER = """
+import os, sys
+root, port_file = sys.argv[1], sys.argv[2]
+os.environ["_MLFLOW_SERVER_FILE_STORE"] = f"sqlite:///{root}/mlflow.db"
+os.environ["_MLFLOW_SERVER_ARTIFACT_ROOT"] = "mlflow-artifacts:/"
+os.environ["_MLFLOW_SERVER_ARTIFACT_DESTINATION"] = f"{root}/artifacts"
+os.environ["_MLFLOW_SERVER_SERVE_ARTIFACTS"] = "true"
+from werkzeug.serving import make_server
+from mlflow.server import app
+server = make_server("127.0.0.1", 0, app, threaded=True)
+with open(port_file + ".tmp", "w") as f:
+    f.write(str(server.server_port))
+os.replace(port_file + ".tmp", port_file)
+server.serve_forever()
+"""

@@ -211,6 +211,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("mlflow.parent_run_id", False, "where the run is shown"),
     ("mlflow.system_metrics_interval_s", False, "observability"),
     ("mlflow.artifact_timeout_s", False, "a timeout"),
+    ("mlflow.start_timeout_s", False, "a timeout"),
+    ("mlflow.end_timeout_s", False, "a timeout"),
 ]
 
 # Keys at the value that trains what runs trained before the key (or its group) existed: left out

@@ -14,9 +14,10 @@ metadata. The price: loading it unpickles, so it runs code from the artifact sto
 The weights come from the checkpoint, not from the live model: no collective (rank 0 alone, after
 the others are done), no gathering under FSDP, and the tag names exactly the commit they came
 from. Training is over when this runs, and it runs on a thread bounded by `timeout_s`
-(mlflow.artifact_timeout_s), as do the run's other uploads (`bounded`): an artifact store that
+(mlflow.artifact_timeout_s, within the run's end of mlflow.end_timeout_s): an artifact store that
 fails or hangs costs a warning, never the finished run (the checkpoint stays the source of truth;
-summary.json's mlflow_model_uri is then null).
+summary.json's mlflow_model_uri is then null; one that hung leaves the MLflow run's end to the
+relaunch: goodput.tracking.Tracker.close).
 """
 
 from __future__ import annotations
@@ -42,11 +43,18 @@ SOURCES = ("final", "best", "none")
 
 
 def log_model(
-    c: Config, run_id: str | None, ckpt, example: torch.Tensor, spec: ModelSpec, timeout_s: float = 600.0
+    c: Config,
+    run_id: str | None,
+    ckpt,
+    example: torch.Tensor,
+    spec: ModelSpec,
+    timeout_s: float = 600.0,
+    missed: list[str] | None = None,
 ) -> str | None:
     """Log (and maybe register) the model of the run's final or best commit to MLflow run `run_id`,
     with `spec` (the run's model record); returns its model URI (`models:/...`, for
-    mlflow.pytorch.load_model), or None when off or when logging failed."""
+    mlflow.pytorch.load_model), or None when off or when logging failed. Past `timeout_s`, "the
+    model" is added to `missed` (the tracker's: the run's end was not logged in time)."""
     source, name = c.mlflow.log_model, c.mlflow.registered_model_name
     if source == "none" or run_id is None:
         return None
@@ -65,7 +73,11 @@ def log_model(
                 step, type(e).__name__, e, ckpt.storage.url(f"step-{step:09d}"),
             )  # fmt: skip
 
-    return out[0] if bounded(work, timeout_s, "logging the model to MLflow") else None
+    if bounded(work, timeout_s, "logging the model to MLflow"):
+        return out[0]
+    if missed is not None:
+        missed.append("the model")
+    return None
 
 
 def bounded(fn, timeout_s: float, what: str) -> bool:

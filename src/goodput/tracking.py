@@ -2,7 +2,13 @@
 
 Metrics, tags and the dataset are queued and written in order by a background thread (metrics in
 batches), which also opens the store: logging never stalls the loop (and never inflates
-fetch_seconds), and a restart never waits for MLflow; `close()` flushes. Only rank 0 tracks.
+fetch_seconds), and a restart never waits for MLflow; `close()` flushes. Files go to the artifact
+store on a second thread, so a slow upload never holds the metrics back. Only rank 0 tracks.
+
+No MLflow call of a job waits without a bound of the template's own (MLflow's HTTP client waits
+120 s on each of 8 tries): the calls before the first step together for mlflow.start_timeout_s
+(`within`), each upload for mlflow.artifact_timeout_s, and the end of the run (the logged model, the
+files, the last metrics, the run's state) together for mlflow.end_timeout_s (`Tracker.close`).
 
 Why not MLflow's own asynchronous logging (`log_batch(synchronous=False)`,
 MLFLOW_ENABLE_ASYNC_LOGGING): its call also returns without touching the store, but
@@ -12,7 +18,7 @@ MLFLOW_ENABLE_ASYNC_LOGGING): its call also returns without touching the store, 
 - by default every call is its own write, on up to 10 writer threads; merging needs
   MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS, a process-wide environment variable;
 - its flush and its atexit hook wait without a bound: a store that never answers keeps the process
-  from exiting (here the thread is a daemon, and close() waits at most 60 s);
+  from exiting (here the threads are daemons, and close() waits at most mlflow.end_timeout_s);
 - a call costs more on the loop's side, and single calls stall while its writer threads run.
 The side-by-side measurement: docs/benchmarks.md ("MLflow logging").
 Forked children (DataLoader workers) are alike in both: they never log, and their copy of the
@@ -32,8 +38,10 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
+from goodput.errors import UserError
 from goodput.resilience.lock import _pid_alive
 
 if TYPE_CHECKING:
@@ -66,11 +74,24 @@ class MlflowConfig:
     only warns. summary.json's mlflow_model_uri loads it (mlflow.pytorch.load_model)."""
 
     artifact_timeout_s: float = 600.0
-    """Bound on each upload to the artifact store: identity.json when the run starts, and at its end
-    the logged model, then the run's files (summary.json, goodput.png, the evaluation report,
-    .hydra/). A store slower than
-    that costs a warning and the upload (summary.json's mlflow_model_uri is then null), never the
-    finished run: summary.json is written and the MLflow run ends FINISHED whatever the store does."""
+    """Bound on each upload to the artifact store (identity.json, a profiler trace, the logged model,
+    each of the run's files), made on a thread of its own: one slower than that is given up with a
+    warning and the next goes on. Training never waits for an upload; the end of the run waits for
+    them all together at most mlflow.end_timeout_s."""
+
+    start_timeout_s: float = 120.0
+    """Bound on the MLflow calls before the first step, together: closing the runs a killed job left
+    RUNNING, reading the run's status, creating or continuing the run. A tracking store that has not
+    answered by then ends the launch with one line, exit 2, before anything is trained (MLflow's own
+    HTTP client waits 120 s on each of 8 tries)."""
+
+    end_timeout_s: float = 120.0
+    """Bound on the end of the run, after its final commit, all together: the logged model, the run's
+    files (summary.json, goodput.png, the evaluation report, .hydra/), the last metrics and the MLflow
+    run's state. Past it: a warning naming what was not logged, and exit 0 (the run is complete: the
+    checkpoint holds the model, summary.json is written); the MLflow run is not FINISHED, and the
+    next launch of the same command logs the run's end and ends it FINISHED. It bounds the end of a
+    stopped or failed run too. An upload that fails (rather than hangs) only warns, as before."""
 
     registered_model_name: str | None = None
     """Also register the logged model under this name in the Model Registry (null = don't)."""
@@ -89,8 +110,9 @@ class MlflowConfig:
             raise ValueError(
                 f"mlflow.system_metrics_interval_s must be >= 0 or null, got {self.system_metrics_interval_s}"
             )
-        if not self.artifact_timeout_s > 0:
-            raise ValueError(f"mlflow.artifact_timeout_s must be > 0, got {self.artifact_timeout_s}")
+        for key in ("artifact_timeout_s", "start_timeout_s", "end_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"mlflow.{key} must be > 0, got {getattr(self, key)}")
         if self.log_model not in ("final", "best", "none"):
             raise ValueError(f"mlflow.log_model must be final|best|none, got {self.log_model!r}")
 
@@ -104,6 +126,32 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[key] = str(v)
     return out
+
+
+class StoreTimeout(UserError, TimeoutError):
+    """The tracking store did not answer the calls before the first step within mlflow.start_timeout_s."""
+
+
+def within(fn, timeout_s: float, what: str):
+    """`fn()` on a daemon thread for at most `timeout_s`: its result, or the exception it raised;
+    TimeoutError past the bound. The thread is left to end (or hang) on its own: a store that does
+    not answer holds that thread, never the caller."""
+    out: dict = {}
+
+    def call():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    th = threading.Thread(target=call, name=f"mlflow: {what}", daemon=True)
+    th.start()
+    th.join(max(0.0, timeout_s))
+    if th.is_alive():
+        raise TimeoutError(f"{what}: no answer within {timeout_s:.3g} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def _retry(fn, *args, tries: int = 10, **kw):
@@ -292,28 +340,6 @@ def start_run(
     return run.info.run_id
 
 
-def log_json(uri: str, run_id: str, obj: dict | str, name: str, timeout_s: float) -> None:
-    """A small artifact of the run (its identity.json; a str: as text, the code's diff), on a daemon
-    thread for at most `timeout_s` (mlflow.artifact_timeout_s): an artifact store that fails or
-    hangs only warns, before training as at its end."""
-    from mlflow.tracking import MlflowClient
-
-    def upload():
-        try:
-            client = MlflowClient(uri)
-            _retry(client.log_text if isinstance(obj, str) else client.log_dict, run_id, obj, name)
-        except Exception as e:
-            log.warning("MLflow: could not log %s (%s)", name, e)
-
-    th = threading.Thread(target=upload, name=f"mlflow: logging {name}", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        log.warning(
-            "MLflow: logging %s took over %.0f s (mlflow.artifact_timeout_s): gave up", name, timeout_s
-        )
-
-
 def effective_params(params: dict[str, str]) -> dict[str, str]:
     """A run's params as its last launch set them: the first launch's, then each `changed.<n>.<key>`."""
     out = {k: v for k, v in params.items() if not k.startswith(CHANGED)}
@@ -354,35 +380,51 @@ def reopen(client: MlflowClient, run_id: str) -> None:
         _retry(client.update_run, run_id, "RUNNING")
 
 
-def end_run(uri: str, run_id: str | None, error: BaseException | str, status: str | None = None) -> None:
+def end_run(
+    uri: str,
+    run_id: str | None,
+    error: BaseException | str,
+    status: str | None = None,
+    timeout_s: float = 120.0,
+) -> None:
     """End a run that did not finish, if nobody has: status FAILED (KILLED for an interrupt, or
     `status`) with `error` as a one-line tag. A run someone already ended (a worker, which knows
-    the error best) is left as it is. Never raises: it runs on the way out of a failure."""
+    the error best) is left as it is. Never raises, and waits at most `timeout_s`
+    (mlflow.end_timeout_s): it runs on the way out of a failure. A run left RUNNING is closed by
+    the next launch (close_leftovers)."""
     from mlflow.tracking import MlflowClient
 
     if run_id is None:
         return
     if status is None:
         status = "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED"
-    try:
+
+    def end():
         client = MlflowClient(uri)
         if _retry(client.get_run, run_id).info.status == "RUNNING":
             _retry(client.set_tag, run_id, ERROR_TAG, one_line(error))
             _retry(client.set_terminated, run_id, status)
+
+    try:
+        within(end, timeout_s, f"ending MLflow run {run_id}")
     except Exception as e:
         log.warning("could not end MLflow run %s as %s (%s)", run_id, status, e)
 
 
-def run_status(uri: str, run_id: str | None) -> str | None:
+def run_status(uri: str, run_id: str | None, timeout_s: float = 120.0) -> str | None:
     """The status of MLflow run `run_id` (FINISHED, KILLED, FAILED, RUNNING), or None when there is
-    no such run or the store does not answer. Never raises."""
+    no such run or the store does not answer within `timeout_s`. Never raises."""
     from mlflow.tracking import MlflowClient
 
     if run_id is None:
         return None
-    try:
+
+    def status():
         ensure_store(uri)
         return _retry(MlflowClient(uri).get_run, run_id).info.status
+
+    try:
+        return within(status, timeout_s, f"reading the status of MLflow run {run_id}")
     except Exception as e:
         log.warning("could not read the status of MLflow run %s (%s)", run_id, e)
         return None
@@ -432,10 +474,20 @@ def system_monitor(uri: str, run_id: str, interval_s: float):
         return None
 
 
+# The share of mlflow.end_timeout_s kept for the MLflow run's state (two calls): the uploads and the
+# queued metrics get the rest, so a hung artifact store still leaves time to end the run (KILLED,
+# naming what is missing) within the bound.
+STATE_SHARE_S = 10.0
+
+
 class Tracker:
-    """Rank 0's MLflow writer. Everything it sends goes through one queue, written in order by a
-    daemon thread, which is also where the client is opened (a second or so for a SQLite store) and
-    the run set RUNNING again: a restart's first step never waits for the tracking store."""
+    """Rank 0's MLflow writer. Metrics, tags and the dataset go through one queue, written in order
+    by a daemon thread, which is also where the client is opened (a second or so for a SQLite store)
+    and the run set RUNNING again: a restart's first step never waits for the tracking store. Files
+    go through a second queue, uploaded in order by another daemon thread, each for at most
+    `artifact_timeout_s`: a hung artifact store never holds the metrics back, nor the loop.
+    `close` ends the run within `end_timeout_s` (counted from `end_starts`, when the run's end
+    begins) and returns what it could not log by then."""
 
     def __init__(
         self,
@@ -443,9 +495,14 @@ class Tracker:
         run_id: str | None,
         enabled: bool,
         system_metrics_interval_s: float | None = None,
+        end_timeout_s: float = 120.0,
+        artifact_timeout_s: float = 600.0,
     ):
         self.enabled = enabled and uri is not None and run_id is not None
         self.run_id = run_id
+        self.end_timeout_s, self.artifact_timeout_s = end_timeout_s, artifact_timeout_s
+        self.missed: list[str] = []  # what was not logged within its bound, by name
+        self._end_by: float | None = None
         self._system = None
         if not self.enabled:
             return
@@ -453,9 +510,14 @@ class Tracker:
         self._opened = threading.Event()
         self._q: queue.Queue = queue.Queue()
         self._closing = threading.Event()
+        self._uploads: queue.Queue = queue.Queue()
+        self._pending: list[str] = []  # queued uploads not done yet, by name
+        self._lock = threading.Lock()
         args = (uri, system_metrics_interval_s)
         self._thread = threading.Thread(target=self._drain, args=args, name="mlflow-log", daemon=True)
         self._thread.start()
+        self._uploader = threading.Thread(target=self._upload, name="mlflow-upload", daemon=True)
+        self._uploader.start()
 
     @property
     def client(self) -> MlflowClient | None:
@@ -524,6 +586,31 @@ class Tracker:
             except Exception as e:
                 log.warning("MLflow: %s (training goes on)", e)
 
+    def _upload(self) -> None:
+        """The upload thread: each queued file in turn, each for at most artifact_timeout_s (on a
+        thread of its own: one the store never answers is given up, and the next goes on)."""
+        while (item := self._uploads.get()) is not None:
+            name, fn = item
+            self._opened.wait()
+            try:
+                if self._client is not None:
+                    within(partial(fn, self._client), self.artifact_timeout_s, f"logging {name}")
+            except TimeoutError:
+                log.warning("MLflow: logging %s took over %.0f s (mlflow.artifact_timeout_s): gave up",
+                            name, self.artifact_timeout_s)  # fmt: skip
+                self.missed.append(name)
+            except Exception as e:
+                log.warning("MLflow: could not log %s (%s)", name, e)
+            finally:
+                with self._lock:
+                    self._pending.remove(name)
+
+    def _upload_later(self, name: str, fn) -> None:
+        if self.enabled:
+            with self._lock:
+                self._pending.append(name)
+            self._uploads.put((name, fn))
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Queued, like the metrics: written in order, after what was logged before."""
         if self.enabled:
@@ -536,18 +623,22 @@ class Tracker:
             self._q.put(write)
 
     def artifact(self, path: str, subdir: str | None = None) -> None:
-        if self.enabled and (client := self.client) is not None:
-            try:
-                _retry(client.log_artifact, self.run_id, path, subdir)
-            except Exception as e:
-                log.warning("could not log artifact %s: %s", path, e)
+        """Queued for the upload thread: returns at once."""
+        name = f"{subdir}/{os.path.basename(path)}" if subdir else os.path.basename(path)
+        self._upload_later(name, lambda client: _retry(client.log_artifact, self.run_id, path, subdir))
 
     def artifacts(self, path: str, subdir: str | None = None) -> None:
-        if self.enabled and (client := self.client) is not None:
-            try:
-                _retry(client.log_artifacts, self.run_id, path, subdir)
-            except Exception as e:
-                log.warning("could not log artifacts %s: %s", path, e)
+        """A folder's files, queued for the upload thread: returns at once."""
+        name = f"{subdir or os.path.basename(path.rstrip('/'))}/"
+        self._upload_later(name, lambda client: _retry(client.log_artifacts, self.run_id, path, subdir))
+
+    def log_dict(self, obj: dict, name: str) -> None:
+        """A small JSON file of the run (its identity.json), queued for the upload thread."""
+        self._upload_later(name, lambda client: _retry(client.log_dict, self.run_id, obj, name))
+
+    def log_text(self, text: str, name: str) -> None:
+        """A small text file of the run (code.diff), queued for the upload thread."""
+        self._upload_later(name, lambda client: _retry(client.log_text, self.run_id, text, name))
 
     def log_dataset(self, root: str, digest: str, context: str = "train") -> None:
         """Fill the run's Dataset column: the data root, named by its last folder, with a digest of
@@ -572,21 +663,72 @@ class Tracker:
 
         self._q.put(write)
 
-    def close(self, status: str = "FINISHED", error: BaseException | None = None) -> None:
-        """End the run: FINISHED, KILLED (interrupted, preempted) or FAILED, with `error` as a tag."""
-        if self.enabled:
-            self.enabled = False
-            self._closing.set()
-            self._q.put(None)
-            self._thread.join(timeout=60)  # what was queued is written (and the client open)
-            if self._system is not None:  # its last samples, written before the run ends; bounded,
-                done = threading.Thread(target=self._system.finish, daemon=True)  # as the queue is
-                done.start()
-                done.join(timeout=30)
-                self._system = None
-            client = self._client if self._opened.is_set() else None
-            if client is None:
-                return
-            if error is not None:
-                _retry(client.set_tag, self.run_id, ERROR_TAG, one_line(error))
-            _retry(client.set_terminated, self.run_id, status)
+    def end_starts(self) -> None:
+        """The run's end begins (its final commit is made): from now on, the model, the files, the
+        last metrics and the run's state get end_timeout_s together (upload_timeout, close)."""
+        self._end_by = time.monotonic() + self.end_timeout_s
+
+    def _left(self, keep: float) -> float:
+        end_by = self._end_by if self._end_by is not None else time.monotonic() + self.end_timeout_s
+        return max(0.0, end_by - keep - time.monotonic())
+
+    def _state_share(self) -> float:
+        return min(STATE_SHARE_S, self.end_timeout_s / 4)
+
+    def upload_timeout(self) -> float:
+        """The bound of an upload made now (the logged model's): artifact_timeout_s, and once the
+        end has begun, no later than leaves the run's state its share of end_timeout_s."""
+        if self._end_by is None:
+            return self.artifact_timeout_s
+        return min(self.artifact_timeout_s, self._left(self._state_share()))
+
+    def close(
+        self, status: str = "FINISHED", error: BaseException | str | None = None, hint: str = ""
+    ) -> list[str]:
+        """End the run: FINISHED, KILLED (interrupted, preempted) or FAILED, with `error` as a tag;
+        within end_timeout_s of end_starts (or of now). What was queued is written first. Returns
+        what was not logged in time (empty: everything was), named in a warning (with `hint`, what
+        happens next). A run meant to end FINISHED with something missing ends KILLED, its `error`
+        tag naming what: a relaunch of the job writes its end again (goodput.run.job)."""
+        if not self.enabled:
+            return []
+        self.enabled = False
+        keep = self._state_share()
+        if self._end_by is None:
+            self.end_starts()
+        self._closing.set()
+        self._q.put(None)
+        self._uploads.put(None)
+        self._thread.join(self._left(keep))  # what was queued is written (and the client open)
+        self._uploader.join(self._left(keep))
+        if self._system is not None:  # its last samples, written before the run ends (bounded)
+            done = threading.Thread(target=self._system.finish, daemon=True)
+            done.start()
+            done.join(min(30.0, self._left(keep)))
+            self._system = None
+        with self._lock:
+            missed = [*self.missed, *self._pending]
+        if self._thread.is_alive():  # the tracking store did not answer
+            missed.append("the metrics and tags still queued")
+        if not self._opened.is_set():
+            missed.append(f"the run's state {status}")
+        elif self._client is not None:  # (None: the store could not be opened, as warned)
+            if missed and status == "FINISHED":
+                status = "KILLED"
+                bound, what = f"mlflow.end_timeout_s={self.end_timeout_s:g} s", ", ".join(missed)
+                error = f"not logged within {bound}: {what}; the next launch of the same command logs them"
+            client = self._client
+
+            def terminate():
+                if error is not None:
+                    _retry(client.set_tag, self.run_id, ERROR_TAG, one_line(error))
+                _retry(client.set_terminated, self.run_id, status)
+
+            try:
+                within(terminate, self._left(0.0), f"ending MLflow run {self.run_id}")
+            except TimeoutError:
+                missed.append(f"the run's state {status}")
+        if missed:
+            log.warning("MLflow run %s: not logged within mlflow.end_timeout_s=%g s: %s%s", self.run_id,
+                        self.end_timeout_s, ", ".join(missed), f". {hint}" if hint else "")  # fmt: skip
+        return missed

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from datetime import datetime
 
 import pytest
-from helpers import REPO, ckpt_dir, final_checkpoint_state, make_app, manager, run_train, train_cmd
+from helpers import (
+    MLFLOW_SERVER,
+    REPO,
+    ckpt_dir,
+    entry_env,
+    final_checkpoint_state,
+    make_app,
+    manager,
+    run_train,
+    train_cmd,
+)
 
 from goodput.checkpoint import SaveFailed
 from goodput.data.sources import CachedSource
@@ -178,3 +191,80 @@ def test_cache_budget_smaller_than_the_lookahead_window_fails_before_training(tm
     p, s = run_train(tmp_path, "data.source.cache_limit=1000", expect_rc=1)
     assert "data.source.cache_limit=1000 bytes is smaller than one look-ahead window" in p.stdout + p.stderr
     assert s is None
+
+
+# -- a tracking server that stops answering ---------------------------------------------------
+# The entry point, with the process group of the MLflow server (pid argv[1]) stopped by SIGSTOP
+# after step 4: it still accepts connections (the kernel's backlog), and answers none.
+STOP_SERVER_AT_STEP_4 = """
+import os, runpy, signal, sys
+from goodput.run.build import Trainer
+server, real = int(sys.argv.pop(1)), Trainer.step_done
+def step_done(self, step):
+    real(self, step)
+    if step == 4:
+        os.killpg(server, signal.SIGSTOP)
+        print("tracking server stopped at step 4", flush=True)
+Trainer.step_done = step_done
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _logged_at(out: str, line: str) -> float:
+    """The time of the first log line of `out` that contains `line`."""
+    stamp = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*" + re.escape(line), out, re.M)
+    assert stamp, line
+    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.slow
+def test_a_tracking_server_stopped_mid_run_costs_the_end_its_bound_and_the_relaunch_logs_it(tmp_path):
+    """#48: a tracking server that hung mid-run (each MLflow call waits 120 s, 8 times) kept a
+    finished job alive 10 minutes. Now training never waits for it, the end of the run waits
+    mlflow.end_timeout_s, the job exits 0 with a warning naming what was not logged, and once the
+    server answers again the next launch closes the run it left RUNNING and writes its end."""
+    from mlflow.tracking import MlflowClient
+
+    from goodput.tracking import LEFT_TAG
+
+    port = tmp_path / "server.port"
+    cmd = [sys.executable, "-c", MLFLOW_SERVER, str(tmp_path / "server"), str(port)]
+    server = subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not port.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the MLflow server did not start"
+            time.sleep(0.1)
+        uri = f"http://127.0.0.1:{port.read_text()}"
+        args = [f"mlflow.tracking_uri={uri}", "mlflow.end_timeout_s=6"]
+        cmd = [sys.executable, "-c", STOP_SERVER_AT_STEP_4, str(server.pid), *train_cmd(tmp_path, *args)[1:]]
+        p = subprocess.run(cmd, cwd=REPO, env=entry_env(), capture_output=True, text=True, timeout=300)
+        exited = time.time()
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out[-4000:]
+        assert "tracking server stopped at step 4" in out
+        last_step = _logged_at(out, "step 12/12")
+        assert _logged_at(out, "done: 12 steps") - last_step < 6 + 10  # the bound, and a busy machine's slack
+        assert exited - last_step < 6 + 30  # and nothing holds the exit (an HTTP call would: 120 s)
+        (warning,) = re.findall(r"not logged within mlflow.end_timeout_s=6 s: .*", out)
+        assert "the metrics and tags still queued" in warning and "the run's state KILLED" in warning
+        summary = json.loads(next(tmp_path.glob("runs/**/summary.json")).read_text())
+        assert summary["finished"] and summary["steps"] == 12
+
+        os.killpg(server.pid, signal.SIGCONT)  # the server answers again
+        p, again = run_train(tmp_path, *args)
+        out = p.stdout + p.stderr
+        assert "reached step 12, but its end was not written" in out and "not logged within" not in out
+        assert again["mlflow_run_id"] == summary["mlflow_run_id"] and again["resumed_from_steps"] == [12]
+        client = MlflowClient(uri)
+        run = client.get_run(summary["mlflow_run_id"])
+        assert run.info.status == "FINISHED" and "error" not in run.data.tags
+        assert run.data.tags[LEFT_TAG] == "1"  # closed once, by the relaunch
+        assert {"summary.json", "identity.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "summary/val_accuracy")] == [12]
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()

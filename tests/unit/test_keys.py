@@ -479,9 +479,6 @@ PHASES = {
     # conf/train.yaml: weights, sample order, augmentation, RNG state (build); and the schedule of
     # fault.mtbf_seconds' random kills (worker), which has no seed of its own.
     ("seed",): {"goodput.run.build", "goodput.run.worker"},
-    # each upload to the artifact store: identity.json when the run starts (job), the model and the
-    # run's files at its end (worker).
-    ("mlflow", "artifact_timeout_s"): {"goodput.run.job", "goodput.run.worker"},
 }
 
 

@@ -4,11 +4,12 @@ whatever the artifact store does. In-process: the watchdog's exit is replaced by
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
-from helpers import run_job_here
+from helpers import SilentStore, compose_train, run_job_here
 from mlflow.tracking import MlflowClient
 
 from goodput.resilience.watchdog import Watchdog
@@ -108,47 +109,101 @@ def test_a_slow_first_evaluation_of_a_compiled_run_is_not_a_hang(tmp_path, one_p
 
 
 @pytest.fixture
-def hung_artifact_store(monkeypatch):
-    """MLflow's local artifact repository, every write stuck (until the test ends, at most 60 s).
-    Returns the names of the threads that reached it."""
-    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
-
-    release, reached = threading.Event(), []
-
-    def stuck(self, *a, **kw):
-        reached.append(threading.current_thread().name)
-        release.wait(60)
-        raise OSError("the artifact store did not answer")
-
-    for name in ("log_artifact", "log_artifacts"):
-        monkeypatch.setattr(LocalArtifactRepository, name, stuck)
-    yield reached
-    release.set()
+def silent_store():
+    """A store on loopback that accepts connections and never answers (helpers.SilentStore)."""
+    store = SilentStore()
+    yield store
+    store.close()
 
 
-def test_a_hung_artifact_store_at_the_end_still_finishes_the_run(
-    tmp_path, one_process, fired, hung_artifact_store, monkeypatch
+def test_an_artifact_store_that_never_answers_costs_the_end_its_bound_and_the_relaunch_logs_it(
+    tmp_path, one_process, fired, silent_store, monkeypatch, caplog
 ):
-    """#32: the watchdog, still armed while the model was logged, ended a finished run (exit 124): no
-    summary.json, the MLflow run left RUNNING, and the relaunch said "nothing to do". The model's
-    upload is an artifact write through MLflow's client: mlflow.pytorch.log_model itself spends
-    10-30 s of CPU here (torch.export, requirement checks) before it writes anything."""
-    from goodput import publish
+    """#48: an artifact store that accepted connections and never answered cost a 12-step run more
+    than 15 minutes: identity.json blocked the first step, then the model and each file of the end
+    waited their own bound (mlflow.artifact_timeout_s) in turn. Now training never waits for an
+    upload, and after the final commit the model, the files and the run's state get one bound
+    (mlflow.end_timeout_s); past it a warning names what is missing, the job returns its summary
+    (exit 0), and the next launch writes the run's end. #32 too: the watchdog (hang_timeout_s=1)
+    never ends the run while the end waits. The tracking store is SQLite; the experiment's
+    artifacts go to the silent store over HTTP."""
+    from goodput.run.build import Trainer
 
-    def upload_model(c, run_id, *a):
-        (tmp_path / "model.pt").write_bytes(b"weights")
-        MlflowClient(c.mlflow.tracking_uri).log_artifact(run_id, str(tmp_path / "model.pt"), "model")
-        return "models:/m-1"
+    when, real = {}, Trainer.step_done
 
-    monkeypatch.setattr(publish, "_log", upload_model)
-    summary, c = run_job_here(
-        tmp_path, "mlflow.log_model=final", "mlflow.artifact_timeout_s=2", "trainer.hang_timeout_s=1"
-    )
+    def step_done(self, step):
+        when.setdefault("first step", time.monotonic())
+        when["last step"] = time.monotonic()  # then the final evaluation and commit: under a second
+        real(self, step)
+
+    monkeypatch.setattr(Trainer, "step_done", step_done)
+    args = (
+        "mlflow.log_model=final", f"mlflow.artifact_location={silent_store.url}/artifacts",
+        "mlflow.artifact_timeout_s=60", "mlflow.end_timeout_s=6", "trainer.hang_timeout_s=1",
+    )  # fmt: skip
+    started = time.monotonic()
+    summary, c = run_job_here(tmp_path, *args)
+    done = time.monotonic()
+    assert silent_store.held  # the store was reached, and never answered
+    assert when["first step"] - started < 30  # identity.json's upload (60 s) never held it
+    assert done - when["last step"] < 6 + 10  # the end's one bound, plus a busy machine's slack
     assert fired == []
-    assert any("logging the model" in name for name in hung_artifact_store)  # the store was what hung
-    assert any("run's files" in name for name in hung_artifact_store)
-    assert any("identity.json" in name for name in hung_artifact_store)  # at the start too, bounded
-    assert summary["steps"] == 12 and summary["mlflow_model_uri"] is None
-    written = (tmp_path / "run" / "summary.json").read_text()
-    assert '"mlflow_model_uri": null' in written
-    assert MlflowClient(c.mlflow.tracking_uri).get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+    assert summary["steps"] == 12 and summary["finished"] and summary["mlflow_model_uri"] is None
+    assert '"mlflow_model_uri": null' in (tmp_path / "run" / "summary.json").read_text()
+    (warning,) = [r.getMessage() for r in caplog.records if "not logged within" in r.getMessage()]
+    for name in ("identity.json", "the model", "summary.json", "evaluation/per_class.csv"):
+        assert name in warning, warning
+    assert "mlflow.end_timeout_s=6 s" in warning and "the next launch of the same command logs" in warning
+    client = MlflowClient(c.mlflow.tracking_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status != "FINISHED"  # the relaunch writes the end
+    if "the run's state KILLED" not in warning:  # (on a busy machine SQLite may miss the state's share)
+        assert run.info.status == "KILLED"
+        assert "not logged within mlflow.end_timeout_s=6 s: " in run.data.tags["error"]
+
+    silent_store.answer()  # the store is back
+    caplog.clear()
+    again, _ = run_job_here(tmp_path, *args, run_dir=tmp_path / "run2")
+    assert "reached step 12, but its end was not written" in caplog.text
+    assert not [r for r in caplog.records if "not logged within" in r.getMessage()]
+    assert again["mlflow_run_id"] == summary["mlflow_run_id"] and again["resumed_from_steps"] == [12]
+    assert again["mlflow_model_uri"]
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and "error" not in run.data.tags
+    logged = {path.rsplit("/artifacts/", 1)[-1]: body for path, body in silent_store.put.items()}
+    assert {"identity.json", "summary.json", "evaluation/per_class.csv", "data/model.pth"} <= set(logged)
+    assert json.loads(logged["identity.json"])["digest"] == run.data.tags["goodput.identity"]
+
+
+def test_a_tracking_store_that_never_answers_at_the_start_ends_the_launch_in_its_bound(
+    tmp_path, one_process, silent_store
+):
+    """Before the first step the job closes a killed job's runs, reads the run's status and creates
+    or continues the run: against a tracking server that never answers, each MLflow call waited
+    120 s, 8 times, while the job held its accelerators. Now they get mlflow.start_timeout_s
+    together, then the launch ends with one line (a UserError: exit 2), the run lock released."""
+    from goodput.run import job
+    from goodput.tracking import StoreTimeout
+
+    cfg = compose_train([
+        "experiment=smoke", f"paths.root={tmp_path}", f"mlflow.tracking_uri={silent_store.url}",
+        "mlflow.start_timeout_s=2",
+    ])  # fmt: skip
+    out: list = []
+
+    def launch():
+        try:
+            job.prepare(cfg, str(tmp_path / "run"))
+        except BaseException as e:
+            out.append(e)
+
+    started = time.monotonic()
+    th = threading.Thread(target=launch, daemon=True)
+    th.start()
+    th.join(60)  # (the MLflow client alone would wait 16 minutes)
+    assert out and time.monotonic() - started < 2 + 20, "the start waited for the tracking store"
+    assert isinstance(out[0], StoreTimeout), out[0]
+    said = f"MLflow: the tracking store {silent_store.url} did not answer within mlflow.start_timeout_s=2 s"
+    assert str(out[0]).startswith(said) and "nothing was trained" in str(out[0]), out[0]
+    assert silent_store.held
+    assert not list(tmp_path.glob("checkpoints/*/LOCK.json"))  # released

@@ -765,3 +765,34 @@ def test_a_script_run_in_process_leaves_the_collector_as_it_found_it(monkeypatch
             assert gc.get_freeze_count() == 0, f"{script} left the collector frozen"
     finally:
         gc.unfreeze()  # never hand a frozen collector to the worker's next test
+
+
+def test_evaluate_logs_in_the_store_of_the_root_the_checkpoint_lies_under(tmp_path, monkeypatch):
+    """#48: evaluate.py took the first mlflow.db in any of the four folders above the path given, so
+    an unrelated store above a checkpoint (a home folder's, a colleague's) got the evaluation run.
+    Only `<root>/mlflow.db` of a `<root>/checkpoints/<run>` layout is the run's own store."""
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    used = []
+    monkeypatch.setattr(script, "run", lambda a: used.append(a.tracking_uri) or 0)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "mlflow.db").write_bytes(b"")  # planted above, in an unrelated ancestor
+    elsewhere = tmp_path / "a" / "runs" / "demo-1a2b3c4d" / "step-000000004"
+    root = tmp_path / "a" / "b" / "out"
+    (root / "mlflow.db").parent.mkdir(parents=True)
+    (root / "mlflow.db").write_bytes(b"")
+    named = root / "checkpoints" / "checkpoints" / "step-000000004"  # run.name=checkpoints
+    trial = root / "checkpoints" / "study-1a2b3c4d" / "trial-001"
+    for ckpt in (elsewhere, named, trial):
+        ckpt.mkdir(parents=True)
+    assert script.main([str(elsewhere)]) == 0 and used[-1] == script.DEFAULT_STORE
+    assert script.main([str(named)]) == 0 and used[-1] == f"sqlite:///{root}/mlflow.db"
+    assert script.main([str(trial)]) == 0 and used[-1] == f"sqlite:///{root}/mlflow.db"
+    assert script.main([str(trial), "--tracking-uri", "sqlite:///x.db"]) == 0 and used[-1] == "sqlite:///x.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert script.main([str(trial)]) == 0 and used[-1] == "http://mlflow.example:5000"

@@ -242,6 +242,7 @@ class Trainer:
         self.tracker = Tracker(
             c.mlflow.tracking_uri, ctx.mlflow_run_id, enabled=d.rank == 0,
             system_metrics_interval_s=c.mlflow.system_metrics_interval_s,
+            end_timeout_s=c.mlflow.end_timeout_s, artifact_timeout_s=c.mlflow.artifact_timeout_s,
         )  # fmt: skip
         self.goodput = Goodput(
             ledger, self.ckpt_store, d.rank, d.world, ctx.run_dir, self.tracker, self.faults, recovery,

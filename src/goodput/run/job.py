@@ -33,13 +33,14 @@ from goodput.storage.remote import DIR
 from goodput.tracking import (
     CHECKPOINT_TAG,
     IDENTITY_TAG,
+    StoreTimeout,
     close_leftovers,
     end_run,
     flatten,
-    log_json,
     run_status,
     source_tags,
     start_run,
+    within,
 )
 from goodput.untrusted import printable
 
@@ -209,16 +210,29 @@ def _prepare_run(
     check_identity(c, ctx, deciding, store)  # before any work: the refusal is exit 2
     check_code(c, ctx, deciding, store)
     m = c.mlflow
+    started = time.monotonic()  # the MLflow calls before the first step: mlflow.start_timeout_s together
+
+    def bounded(fn, what: str):
+        try:
+            return within(fn, started + m.start_timeout_s - time.monotonic(), what)
+        except TimeoutError:
+            raise StoreTimeout(
+                f"MLflow: the tracking store {m.tracking_uri} did not answer within "
+                f"mlflow.start_timeout_s={m.start_timeout_s:g} s ({what}); nothing was trained. Run the "
+                f"same command again once it answers, or point mlflow.tracking_uri at another store"
+            ) from None
+
     if leader:  # this job holds the run lock: a RUNNING run of this dir is a killed job's
-        close_leftovers(m.tracking_uri, m.experiment, store.url())
+        what = "closing the runs a killed job left RUNNING"
+        bounded(lambda: close_leftovers(m.tracking_uri, m.experiment, store.url()), what)
     # A rescue of the last step (its final evaluation or save failed) is not the end: the workers
     # finish it (the evaluation, the final regular commit, the summary), as after an elastic restart.
     unfinished = newest is not None and newest.get("kind") == "rescue"
     complete = newest is not None and (
         newest["step"] >= c.trainer.max_steps or bool(newest.get("stop_reason"))
     )
-    if complete and not unfinished:  # its end (evaluation, summary, model, FINISHED) cut short by a kill?
-        unfinished = _end_not_written(c, newest)
+    if complete and not unfinished:  # its end (evaluation, summary, model, FINISHED) cut short?
+        unfinished = _end_not_written(c, newest, started + m.start_timeout_s - time.monotonic())
     if newest is not None and newest["step"] >= c.trainer.max_steps and not unfinished:
         raise AlreadyDone(
             f"run '{c.run.name}' is complete: it reached step {newest['step']} "
@@ -240,20 +254,15 @@ def _prepare_run(
     if not leader:
         return ctx
     tags = {CHECKPOINT_TAG: store.url(), IDENTITY_TAG: ctx.identity.get("digest", ""), **code_tags(ctx.code)}
-    run_id = start_run(
-        m.tracking_uri,
-        m.experiment,
-        c.run.name,
-        params,
-        previous_run_id,
-        m.artifact_location,
-        tags={**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags},
+    tags = {**source_tags(sys.argv[0]), **parent_tag(m.parent_run_id), **tags}
+    run_id = bounded(
+        lambda: start_run(
+            m.tracking_uri, m.experiment, c.run.name, params, previous_run_id, m.artifact_location, tags=tags
+        ),
+        "creating or continuing the run",
     )
-    log_json(m.tracking_uri, run_id, ctx.identity, "identity.json", m.artifact_timeout_s)  # the digest's keys
-    log_json(m.tracking_uri, run_id, ctx.code, "code.json", m.artifact_timeout_s)  # the code's files
-    diff = provenance.git_diff() if (ctx.code.get("git") or {}).get("dirty") else None
-    if diff:  # the uncommitted edits this launch trains with
-        log_json(m.tracking_uri, run_id, diff, "code.diff", m.artifact_timeout_s)
+    # identity.json (the digest's keys), code.json and code.diff (the code: goodput.provenance) are
+    # uploaded by rank 0's Tracker, which never waits for them
     return replace(ctx, mlflow_run_id=run_id)
 
 
@@ -303,21 +312,23 @@ def _escaped(text: str) -> str:
     return json.dumps(str(text))[1:-1]
 
 
-def _end_not_written(c: Config, newest: dict) -> bool:
+def _end_not_written(c: Config, newest: dict, timeout_s: float = 120.0) -> bool:
     """A complete run whose MLflow run did not end FINISHED: the job was killed while it wrote the
-    run's end (a SIGKILL, a second signal), after the final commit. The relaunch writes it: no
-    step, no save; the final evaluation again, the summary, the logged model. Every node decides
-    alike: the leader has set a run left RUNNING to KILLED, and either is not FINISHED. A run this
-    launch would not continue (another run.name's), or a store that does not answer: complete."""
+    run's end (a SIGKILL, a second signal), after the final commit, or the store did not take it
+    within mlflow.end_timeout_s. The relaunch writes it: no step, no save; the final evaluation
+    again, the summary, the logged model. Every node decides alike: the leader has set a run left
+    RUNNING to KILLED, and either is not FINISHED. A run this launch would not continue (another
+    run.name's), or a store that does not answer within `timeout_s`: complete."""
     run_id = newest.get("mlflow_run_id")
     if run_id is None or newest.get("run") not in (None, c.run.name):
         return False
-    status = run_status(c.mlflow.tracking_uri, run_id)
+    status = run_status(c.mlflow.tracking_uri, run_id, timeout_s)
     if status in (None, "FINISHED"):
         return False
     log.warning(
         "run '%s' reached step %d, but its end was not written (MLflow run %s is %s: killed while "
-        "ending?): writing it now (the final evaluation, the summary, the logged model)",
+        "ending, or its store did not answer in time?): writing it now (the final evaluation, the "
+        "summary, the logged model)",
         c.run.name, newest["step"], printable(run_id), status,
     )  # fmt: skip
     return True
@@ -439,8 +450,9 @@ def longer_run(cfg: DictConfig, step: int, old_max: int, new_max: int) -> str:
 
 def close_failed(c: Config, ctx: RunContext, e: BaseException) -> None:
     """The job failed (or was interrupted) after its MLflow run was opened: end the run FAILED
-    (KILLED for an interrupt) with the error as a tag, unless a worker ended it already."""
-    end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, e)
+    (KILLED for an interrupt) with the error as a tag, unless a worker ended it already; waiting
+    at most mlflow.end_timeout_s."""
+    end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, e, timeout_s=c.mlflow.end_timeout_s)
 
 
 def _run_to_continue(c: Config, rec: dict | None, store) -> str | None:

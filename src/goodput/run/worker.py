@@ -16,7 +16,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from goodput import logs, publish, tracking
+from goodput import logs, provenance, publish, tracking
 from goodput.checkpoint.layout import step_dir
 from goodput.checkpoint.resume import init_from, resume
 from goodput.config import Config
@@ -59,7 +59,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
 
     def end_run(status: str, error: BaseException) -> None:  # before the Trainer (its tracker) exists
         if d.rank == 0:
-            tracking.end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, error, status)
+            tracking.end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, error, status, c.mlflow.end_timeout_s)
 
     # From here a preemption notice is the run's: noted and acted on by the loop (before its first
     # step, when it came during the start-up), not a death that leaves the MLflow run RUNNING. (Not
@@ -68,6 +68,11 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     try:
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
+        if first:  # what the run is, uploaded in the background (mlflow.artifact_timeout_s)
+            t.tracker.log_dict(ctx.identity, "identity.json")  # the identity digest's keys
+            t.tracker.log_dict(ctx.code, "code.json")  # the code's files (goodput.provenance)
+            if (ctx.code.get("git") or {}).get("dirty"):  # the uncommitted edits it trains with
+                t.tracker.log_text(provenance.git_diff() or "", "code.diff")
         recovery.mark("built")
         rec, touched = resume(t.ckpt, t.app, c.run.resume, ahead=t.loader.start_at)
         recovery.mark("checkpoint_read")
@@ -89,6 +94,7 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         recovery.mark("ready")
         result = loop.train(t)
         t.watchdog.stop()  # training is over: the end of the run bounds its own waits (write_summary)
+        t.tracker.end_starts()  # the model, the files, the last metrics, the state: mlflow.end_timeout_s
         result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
         summary = write_summary(t, result) if d.rank == 0 else None
         status = "FINISHED" if result["finished"] else "KILLED"  # KILLED: stopped by a signal, resumable
@@ -107,13 +113,21 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     finally:
         if t is not None:
             t.close()
-            t.tracker.close(status, error)
+            t.tracker.close(status, error, hint=_after_missed(status))
         else:  # the build failed (a bad _target_, a data error)
             end_run(status, error)
         stop.restore()  # after the MLflow run's end: a notice never cuts the run's end short
         shutdown_distributed()
         if helper_env is None:
             os.environ.pop(HELPER_ENV, None)
+
+
+def _after_missed(status: str) -> str:
+    """What the warning of an MLflow run's end that was not logged in time adds: what follows."""
+    if status == "FINISHED":
+        return ("The run is complete (the checkpoint holds the model, summary.json is written); the "
+                "next launch of the same command logs its end and ends the MLflow run FINISHED")  # fmt: skip
+    return "The next launch of the same command closes the MLflow run and continues it"
 
 
 def _process_defaults(c: Config) -> None:
@@ -157,11 +171,14 @@ def write_summary(t: Trainer, result: dict) -> dict:
     ev = result.pop("evaluation", None)
     books = t.goodput.summary(result["steps"])  # training is over: what follows is not counted
     goodput = books["goodput"]
-    model_uri, bound = None, c.mlflow.artifact_timeout_s  # each upload: an artifact store may hang
+    model_uri = None
     if result["finished"]:  # a stopped run's weights are not its result: logged when it finishes
         # The logged model's input example (its signature): two samples of the val view
         example = next(iter(t.val_loader))["image"][:2].repeat(2, 1, 1, 1)[:2]
-        model_uri = publish.log_model(c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound)
+        bound = t.tracker.upload_timeout()  # within mlflow.end_timeout_s (the worker's end_starts)
+        model_uri = publish.log_model(
+            c, t.ctx.mlflow_run_id, t.ckpt, example, t.spec, bound, t.tracker.missed
+        )
     summary = {
         **result,
         "val": ev.compute() if ev is not None else None,
@@ -185,15 +202,10 @@ def write_summary(t: Trainer, result: dict) -> dict:
     files = [(os.path.join(run_dir, "summary.json"), None), (os.path.join(run_dir, "goodput.png"), None)]
     if ev is not None:  # the last evaluation's report (classification: per-class table, confusion matrix)
         files += [(p, "evaluation") for p in ev.report(os.path.join(run_dir, "evaluation"))]
-    hydra_dir = os.path.join(run_dir, ".hydra")
-
-    def upload():
-        for path, folder in files:
-            t.tracker.artifact(path, folder)
-        if os.path.isdir(hydra_dir):
-            t.tracker.artifacts(hydra_dir, "hydra")
-
-    publish.bounded(upload, bound, "uploading the run's files to MLflow")
+    for path, folder in files:  # queued: the tracker's close waits for them (mlflow.end_timeout_s)
+        t.tracker.artifact(path, folder)
+    if os.path.isdir(hydra_dir := os.path.join(run_dir, ".hydra")):
+        t.tracker.artifacts(hydra_dir, "hydra")
     return summary
 
 
