@@ -8,7 +8,9 @@ python scripts/check.py --steps 12 --kill-at 5 batch_augment=mixup_cutmix parall
 Both runs take your overrides, then: `--steps` optimizer steps, a commit after every step (every
 one kept), data workers on (at least 2: their randomness must not matter), no storage emulation,
 no logged model, in a temporary paths.root (your demo data is reused). The second run is SIGKILLed
-at step `--kill-at` (fault.kill_at_step) and relaunched by the same command. Then every commit
+at step `--kill-at` (fault.kill_at_step; on several ranks the last one, so that rank 0 writes the
+rescue: a BatchNorm model's rescue written by another rank carries that rank's statistics, which
+docs/checkpointing.md states) and relaunched by the same command. Then every commit
 both runs have after the resume is read whole (model, EMA, optimizer, LR schedule, loader
 position, every rank's RNG streams, the step's counters; the goodput ledger's timings aside) and
 compared key by key, step by step. Prints "resume is exact" and exits 0, or names the first state
@@ -111,6 +113,7 @@ def check_overrides(user: list[str], steps: int) -> list[str]:
         "mlflow.log_model=none",
         "run.name=check",
         f"paths.data_dir={data_dir}",
+        f"fault.rank={max(0, int(cfg.parallel.nproc_per_node) - 1)}",
     ]
 
 

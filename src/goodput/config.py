@@ -305,6 +305,12 @@ def optim_errors(optim: dict) -> list[str]:
     return []
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _shard_plan_errors(c: dict, strategy: str) -> list[str]:
     """A model without a shard plan under a strategy that shards block by block: refused now, from
     the model built on the meta device (no memory, no weights), not in every rank after the data."""
@@ -422,6 +428,11 @@ def validate(c: dict) -> Config:
                       "(set parallel.nproc_per_node >= 2)")  # fmt: skip
     if strategy is not None and strategy.shards_parameters and world > 1:
         errors += _shard_plan_errors(c, name)
+    if tr.get("sync_batchnorm") and not _cuda():
+        errors.append(
+            "trainer.sync_batchnorm=true needs CUDA devices: torch's SyncBatchNorm runs on GPUs only "
+            "(on CPU each rank's BatchNorm sees its part of the batch: leave it false)"
+        )
     if strategy is not None and strategy.shards_parameters and tr.get("sync_batchnorm"):
         errors.append(
             f"trainer.sync_batchnorm=true with parallel.strategy {name}: SyncBatchNorm is for replicas "

@@ -16,7 +16,7 @@ from goodput.data.loader import DataConfig, ResumableLoader
 from goodput.data.synthetic import make_dataset
 from goodput.storage.remote import Storage
 
-PRESETS = ("none", "light", "standard")
+PRESETS = ("none", "light", "standard", "ta_wide", "randaugment")
 STEPS = 10
 
 
@@ -33,10 +33,11 @@ def data_root(tmp_path_factory):
     return str(root)
 
 
-def loader(root, cache_dir, node, workers=0):
+def loader(root, cache_dir, node, workers=0, repeats=1):
     cfg = DataConfig(
         source={"_target_": "goodput.data.sources.CachedSource", "prefetch_threads": 4}, root=root,
         cache_dir=str(cache_dir), image_size=16, num_workers=workers, prefetch_factor=2, prefetch_steps=3,
+        repeated_augment=repeats,
     )  # fmt: skip
     return ResumableLoader(cfg, Storage(root), 5, 8, STEPS, 0, 1, torch.device("cpu"), augment=node)
 
@@ -129,3 +130,45 @@ def test_a_list_that_does_not_end_at_image_size_fails_at_build():
         augment.build(node, 16)
     with pytest.raises(ValueError, match=r"augment.train\[0\] must be a node with a _target_"):
         augment.build({"train": ["flip"]}, 16)
+
+
+def test_random_erasing_after_normalization_erases_to_the_mean():
+    """augment.after_normalize runs on the normalized tensor: ta_wide's RandomErasing leaves a box
+    of exact zeros (the mean), as torchvision's reference does; erasing before Normalize would
+    leave -mean/std there instead."""
+    node = augment_node("ta_wide")
+    node["after_normalize"][0]["p"] = 1.0
+    train, _ = augment.build(node, 16)
+    assert [type(t).__name__ for t in train.transforms][-3:] == ["ToDtype", "Normalize", "RandomErasing"]
+    img = torch.full((3, 24, 24), 200, dtype=torch.uint8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = train(img)
+    erased = (x == 0).all(0)
+    assert erased.any() and not erased.all()
+    assert torch.allclose(x[:, ~erased].mean(), torch.tensor((200 / 255 - 0.5) / 0.25), atol=0.6)
+
+
+def test_repeated_augmentation_copies_differ_and_resume_at_any_worker_count(data_root, tmp_path):
+    """data.repeated_augment=2: every step holds each of its samples twice, each copy augmented on
+    its own seed; the batches are the same with 0 or 2 workers and across a resume."""
+    node = augment_node("standard")
+    ref_loader = loader(data_root, tmp_path / "c", node, repeats=2)
+    ref, indices = [], []
+    for _ in range(STEPS):
+        b = next(ref_loader)
+        ref.append(b["image"])
+        indices.append(b["index"].tolist())
+    ref_loader.close()
+    assert all(ix[:4] == ix[4:] for ix in indices)  # 4 samples a step, twice
+    assert not torch.equal(ref[0][0], ref[0][4])  # the two copies of sample ix[0] differ
+    assert ref_loader.order.steps_per_epoch == 40 * 2 // 8
+    a = loader(data_root, tmp_path / "c", node, workers=2, repeats=2)
+    first = batches(a, 4)
+    sd = a.state_dict()
+    a.close()
+    b = loader(data_root, tmp_path / "c", node, workers=1, repeats=2)
+    b.load_state_dict(sd)
+    rest = batches(b, STEPS - 4)
+    b.close()
+    assert all(torch.equal(x, y) for x, y in zip(first + rest, ref, strict=True))

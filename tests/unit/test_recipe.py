@@ -39,16 +39,22 @@ def test_the_new_groups_rename_no_run():
     assert len({name("experiment=smoke", o) for o in other} | {"smoke-c004ded2"}) == len(other) + 1
 
 
+PARTS = ["seed=3", "task.loss.label_smoothing=0.2", "batch_augment=mixup", "batch_augment=cutmix",
+         "augment=ta_wide", "augment=randaugment", "optim.norm_weight_decay=0.0",
+         "optim.bias_weight_decay=0.0", "data.repeated_augment=2", "data.train_crop_size=12"]  # fmt: skip
+
+
 def test_each_recipe_switch_changes_what_is_trained(tmp_path, one_process):
-    """Label smoothing, MixUp and CutMix each train another model (config only), and MixUp and
-    CutMix differ from each other."""
+    """Each part of the recipe trains another model (config only): label smoothing, MixUp and
+    CutMix (which differ from each other), the augment presets, weight decay by parameter kind,
+    repeated augmentation, the training crop."""
     shas = {}
-    for i, o in enumerate(
-        ["seed=3", "task.loss.label_smoothing=0.2", "batch_augment=mixup", "batch_augment=cutmix"]
-    ):
-        summary, _ = run_job_here(tmp_path / str(i), "seed=3", o, "trainer.max_steps=4")
+    for i, o in enumerate(PARTS):
+        summary, _ = run_job_here(
+            tmp_path / str(i), "seed=3", o, "trainer.max_steps=3", "optim.optimizer.weight_decay=0.1"
+        )
         shas[o] = summary["model_sha256"]
-    assert len(set(shas.values())) == 4, shas
+    assert len(set(shas.values())) == len(PARTS), shas
 
 
 def test_python_and_numpy_randomness_in_a_transform_is_exact_at_any_worker_count(tmp_path, one_process):
@@ -197,3 +203,66 @@ def test_a_code_edit_is_refused_or_continued_on_purpose(tmp_path, one_process):
     assert summary["steps"] == 6 and summary["resumed_from_steps"] == [4]
     newest = Commits(Storage(summary["checkpoint_dir"])).committed()[0]
     assert newest["step"] == 6 and newest["code"]["digest"] == ctx.code["digest"]
+
+
+def test_epochs_are_counted_in_steps_before_the_run_and_name_nothing_else(tmp_path):
+    """trainer.max_epochs (with trainer.max_steps=null) and optim.schedule.warmup_epochs become steps
+    from the training split's size (x data.repeated_augment); the run is named by the epochs; both
+    lengths at once, or a warm-up as long as the run, are refused naming both numbers."""
+    from goodput.data.synthetic import make_dataset
+    from goodput.run.job import epochs_to_steps
+
+    def steps(*overrides):
+        cfg = compose_train(["paths.root=/x", "experiment=smoke", "trainer.max_steps=null", *overrides])
+        before = str(cfg.run.name)
+        epochs_to_steps(cfg)
+        c = OmegaConf.to_container(cfg, resolve=True)
+        assert c["run"]["name"] == before  # (fixed from the epochs before the conversion)
+        sched = c["optim"]["schedule"]
+        return c["trainer"]["max_steps"], sched["warmup_steps"], sched["total_steps"]
+
+    # smoke's demo data: 10 classes x 20 training images, global batch 16: 12 steps an epoch
+    assert steps("trainer.max_epochs=2") == (24, 0, 24)
+    assert steps("trainer.max_epochs=2", "data.repeated_augment=2") == (50, 0, 50)
+    assert steps("trainer.max_epochs=3", "optim.schedule.warmup_epochs=0.5") == (36, 6, 36)
+    epochs = ["experiment=smoke", "trainer.max_steps=null", "trainer.max_epochs=2"]
+    assert name(*epochs) != name(*epochs, "optim.schedule.warmup_epochs=0.5")
+    root = tmp_path / "data"  # data of your own: one listing of train/
+    make_dataset(str(root), num_classes=2, train_per_class=12, val_per_class=1, image_size=16)
+    assert steps("trainer.max_epochs=2", f"data.root={root}")[0] == 2 * (24 // 16)
+    cfg = compose_train(["paths.root=/x", "experiment=smoke", "trainer.max_epochs=2"])
+    with pytest.raises(ConfigError, match=r"trainer.max_epochs=2 and trainer.max_steps=12 are both set"):
+        epochs_to_steps(cfg)
+    cfg = compose_train(
+        [*epochs[:2], "paths.root=/x", "trainer.max_epochs=1", "optim.schedule.warmup_epochs=1"]
+    )
+    epochs_to_steps(cfg)
+    with pytest.raises(
+        ConfigError, match=r"warmup_steps=12\) is as long as the run or longer \(total_steps=12"
+    ):
+        validate(OmegaConf.to_container(cfg, resolve=True))
+
+
+def test_the_eval_view_travels_with_the_model(tmp_path, one_process):
+    """data.val_resize_size / val_crop_size: evaluation resizes then center-crops, the model record
+    carries both, and predict.py feeds the model the same view."""
+    from torchvision.transforms import v2
+
+    from goodput.inference import load
+
+    views = ["data.val_resize_size=24", "data.val_crop_size=12", "data.train_crop_size=12"]
+    summary, _ = run_job_here(tmp_path, "trainer.max_steps=2", *views)
+    loaded = load(summary["checkpoint_dir"])
+    assert (loaded.spec.image_size, loaded.spec.resize_size) == (12, 24)
+    img = torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)
+    want = v2.CenterCrop(12)(v2.Resize(24, antialias=True)(img))
+    assert torch.allclose(loaded.spec.transform()(img), (want.float() / 255 - 0.5) / 0.25, atol=1e-6)
+
+
+def test_sync_batchnorm_is_refused_where_it_cannot_work():
+    fsdp = ["parallel=fsdp", "parallel.nproc_per_node=2", "trainer.sync_batchnorm=true"]
+    c = OmegaConf.to_container(compose_train(["paths.root=/x", "experiment=smoke", *fsdp]), resolve=True)
+    with pytest.raises(
+        ConfigError, match=r"trainer.sync_batchnorm=true with parallel.strategy goodput.parallel.FSDP"
+    ):
+        validate(c)

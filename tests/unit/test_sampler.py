@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -55,3 +56,23 @@ def test_order_hash_chain_and_seeds_are_pure():
     c.update(torch.tensor([3]))
     assert c.hexdigest != a.hexdigest
     assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3) != sample_seed(1, 2, 4)
+
+
+def test_repeated_augmentation_puts_each_copy_on_another_rank():
+    """data.repeated_augment=N: a step's global batch is G/N samples N times over; on N ranks each
+    rank holds one copy of every sample of the step (and the copies differ in number), every sample
+    comes N times an epoch, and the global order is the same on any world size."""
+    from goodput.data.sampler import GlobalOrder
+
+    order = GlobalOrder(40, 8, seed=3).repeated(2)
+    assert order.steps_per_epoch == 10
+    seen = []
+    for step in range(10):
+        r0, r1 = order.rank_batch(step, 0, 2), order.rank_batch(step, 1, 2)
+        assert r0 == r1 and len(set(r0)) == 4  # the same 4 samples on both ranks
+        assert order.rank_copies(0, 2) == [0] * 4 and order.rank_copies(1, 2) == [1] * 4
+        assert order.global_batch(step).tolist() == order.rank_batch(step, 0, 1)
+        seen += r0 + r1
+    assert sorted(seen) == sorted(list(range(40)) * 2)  # each sample twice an epoch
+    with pytest.raises(ValueError, match=r"data.repeated_augment=3 must divide trainer.global_batch_size=8"):
+        GlobalOrder(40, 8, seed=3).repeated(3)

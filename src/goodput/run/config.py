@@ -95,7 +95,8 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     """parallel=ddp: BatchNorm statistics over the whole global batch (nn.SyncBatchNorm; one
     all-reduce per BatchNorm layer in each forward) instead of each rank's part. Its buffers are the
-    same as BatchNorm's: checkpoints move between the two. Not under fsdp/hsdp (refused)."""
+    same as BatchNorm's: checkpoints move between the two. CUDA only (torch's SyncBatchNorm runs on
+    GPUs; refused on CPU), and not under fsdp/hsdp (refused)."""
 
     channels_last: bool = False
     """NHWC memory layout for the model and its inputs: faster convolutions on GPUs with tensor
