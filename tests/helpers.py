@@ -491,3 +491,26 @@ class WithHead(torch.nn.Module):
 
     def forward(self, x):
         return self.out(self.net(x))
+
+
+class FailsInsideUpdate(torch.optim.SGD):
+    """`optim.optimizer._target_=helpers.FailsInsideUpdate`: SGD that, armed (`fail_at`, set by the
+    test), writes its first parameter in its `fail_at`-th step and raises there: a failure inside
+    the optimizer's update with the parameters half-written (an out-of-memory error in a fused
+    kernel, a device lost mid-update). Unarmed, it is SGD."""
+
+    fail_at: int | None = None
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == FailsInsideUpdate.fail_at:
+            group = self.param_groups[0]
+            first = group["params"][0]
+            first.sub_(group["lr"] * first.grad)  # one of the step's writes, the others never made
+            raise RuntimeError(f"the optimizer failed inside its step {self.calls}, one parameter written")
+        return super().step(closure)

@@ -255,6 +255,27 @@ def test_inside_the_update_nothing_is_written(tmp_path):
     assert not [n for n in store.ls() if parse_step(n) is not None]
 
 
+def test_a_failure_inside_the_optimizers_step_writes_no_rescue(tmp_path, one_process, monkeypatch):
+    """The optimizer of the job (one of the test's own, by `_target_`) writes one parameter of step 7
+    and raises: the parameters are no step's. No rescue is written, whatever the optimizer: the mark
+    is where `optimizer.step()` starts (StepGuard's pre-hook), not where the loop thinks it is. The
+    relaunch resumes the regular step-4 commit and ends on the uninterrupted run's model."""
+    from helpers import FailsInsideUpdate
+
+    mine = [*NET, "optim.optimizer._target_=helpers.FailsInsideUpdate"]
+    ref, _ = run_job_here(tmp_path / "ref", *mine)
+    monkeypatch.setattr(FailsInsideUpdate, "fail_at", 7)
+    with pytest.raises(RuntimeError, match="failed inside its step 7, one parameter written"):
+        run_job_here(tmp_path / "a", *mine)
+    store = Storage(str(ckpt_dir(tmp_path / "a")))
+    assert [r["dir"] for r in Commits(store).committed()] == ["step-000000004"]
+    records = Rescues(store).records()
+    assert [(r["outcome"], r["step"], r["reached"]) for r in records] == [("in_update", None, 6)]
+    monkeypatch.setattr(FailsInsideUpdate, "fail_at", None)
+    s, _ = run_job_here(tmp_path / "a", *mine)
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
+
+
 def test_a_main_thread_stuck_inside_a_boundary_does_not_hold_the_watchdog(tmp_path):
     """The main thread holds the rescue's lock while it notes a boundary (a clone of the buffers, a
     scaler's .item(): device work). A device wedged there must not block the watchdog's rescue,
