@@ -642,6 +642,51 @@ def test_a_ranks_streams_at_a_boundary_are_known_without_its_state():
     assert RNGState(7, 0).derived(3, 12) != other and RNGState(7, 0).derived(2, 11) != other
 
 
+def _own_streams(seed: int, rank: int, step: int) -> dict:
+    """What `rank`'s own RNGState holds at the boundary after `step` (its at_step run here, this
+    process's streams put back after), as a checkpoint's per-rank entry reads back."""
+    import random
+
+    import numpy as np
+
+    from goodput.checkpoint.state import RNGState
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        streams = RNGState(seed, rank)
+        streams.at_step(step)
+        sd = streams.state_dict()
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+    return json.loads(json.dumps(sd))
+
+
+def test_a_two_rank_rescue_writes_each_ranks_own_random_streams(tmp_path):
+    """Under ddp one survivor writes the rescue for both ranks: rank 1's entry must be rank 1's
+    streams at the boundary, not a copy of the writer's (every stream is reseeded at the next step
+    today, but a checkpoint says where each rank's streams stood, and a resume sets them)."""
+    import torch.distributed.checkpoint as dcp
+
+    from goodput.checkpoint.backends import SafeFileSystemReader
+    from goodput.checkpoint.state import decode
+
+    app, _, _ = make_app(0)  # the writer is rank 0 of seed 0
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path, world=2)
+    r.boundary(3)
+    r.boundary(5)
+    assert r.write("rank 1 died")["outcome"] == "committed"
+    rec = Commits(Storage(str(tmp_path / "ckpt"))).committed()[0]
+    reader = SafeFileSystemReader(str(tmp_path / "ckpt" / rec["dir"]))
+    md = reader.read_metadata().state_dict_metadata
+    entries = {k: torch.empty(md[k].size, dtype=torch.uint8) for k in md if k.startswith("rank")}
+    assert sorted(entries) == ["rank0.rng", "rank1.rng"]
+    dcp.load(entries, storage_reader=reader, no_dist=True)
+    got = {k: decode(v) for k, v in entries.items()}
+    assert got["rank0.rng"] == _own_streams(0, 0, 5)
+    assert got["rank1.rng"] == _own_streams(0, 1, 5) != got["rank0.rng"]
+
+
 def _rescue_of(app, tmp_path, world=2, strategy=None, timeout_s=10.0):
     from goodput.parallel import DDP
 
