@@ -240,6 +240,25 @@ def test_init_from_is_not_applied_when_the_run_resumed_its_own_checkpoint(tmp_pa
     mgr.close()
 
 
+def test_a_warm_started_run_resumes_its_own_commit_with_the_source_still_there(tmp_path, one_process):
+    """The job (worker and resume seam) applies run.init_from only to a fresh start. Relaunched
+    after a failure at step 7 with the source still readable (loading it again would go through
+    without an error), the run resumes its own step-4 commit and ends on the uninterrupted
+    warm-started run's model."""
+    from helpers import run_job_here
+
+    from goodput.resilience.fault import InjectedFailure
+
+    src, _ = run_job_here(tmp_path, "trainer.max_steps=2")  # one paths.root: one demo data, one store
+    warm = [f"run.init_from={src['checkpoint_dir']}", "checkpoint.rescue=false"]
+    ref, _ = run_job_here(tmp_path, *warm, "run.name=ref")
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path, *warm, "run.name=warm", "fault.raise_at_step=7")
+    assert os.path.isdir(src["checkpoint_dir"])
+    s, _ = run_job_here(tmp_path, *warm, "run.name=warm", "fault.raise_at_step=7")
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
+
+
 def test_init_from_other_class_names_of_the_same_number_train_on_with_a_warning(tmp_path, dist1, caplog):
     src, trained = source_run(tmp_path / "src", dist1)
     mgr = manager(tmp_path / "new", "dcp_sync", dist1)
