@@ -263,16 +263,16 @@ def test_a_failure_inside_the_optimizers_step_writes_no_rescue(tmp_path, one_pro
     from helpers import FailsInsideUpdate
 
     mine = [*NET, "optim.optimizer._target_=helpers.FailsInsideUpdate"]
-    ref, _ = run_job_here(tmp_path / "ref", *mine)
+    ref, _ = run_job_here(tmp_path, *mine, "run.name=ref")  # one paths.root: one demo data, one store
     monkeypatch.setattr(FailsInsideUpdate, "fail_at", 7)
     with pytest.raises(RuntimeError, match="failed inside its step 7, one parameter written"):
-        run_job_here(tmp_path / "a", *mine)
-    store = Storage(str(ckpt_dir(tmp_path / "a")))
+        run_job_here(tmp_path, *mine, "run.name=a")
+    store = Storage(str(ckpt_dir(tmp_path, "a")))
     assert [r["dir"] for r in Commits(store).committed()] == ["step-000000004"]
     records = Rescues(store).records()
     assert [(r["outcome"], r["step"], r["reached"]) for r in records] == [("in_update", None, 6)]
     monkeypatch.setattr(FailsInsideUpdate, "fail_at", None)
-    s, _ = run_job_here(tmp_path / "a", *mine)
+    s, _ = run_job_here(tmp_path, *mine, "run.name=a")
     assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
 
 
