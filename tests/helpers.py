@@ -514,3 +514,10 @@ class FailsInsideUpdate(torch.optim.SGD):
             first.sub_(group["lr"] * first.grad)  # one of the step's writes, the others never made
             raise RuntimeError(f"the optimizer failed inside its step {self.calls}, one parameter written")
         return super().step(closure)
+
+
+def warmup_constant(optimizer, total_steps: int, warmup_steps: int = 20, min_lr_ratio: float = 0.05):
+    """`optim.schedule._target_=helpers.warmup_constant`: a schedule of one's own taking
+    goodput.run.schedule.warmup_cosine's arguments (a linear warm-up, then the LR held): its class
+    changed and no other key."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
