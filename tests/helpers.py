@@ -569,3 +569,35 @@ with open(port_file + ".tmp", "w") as f:
 os.replace(port_file + ".tmp", port_file)
 server.serve_forever()
 """
+
+
+class FailsInsideUpdate(torch.optim.SGD):
+    """`optim.optimizer._target_=helpers.FailsInsideUpdate`: SGD that, armed (`fail_at`, set by the
+    test), writes its first parameter in its `fail_at`-th step and raises there: a failure inside
+    the optimizer's update with the parameters half-written (an out-of-memory error in a fused
+    kernel, a device lost mid-update). Unarmed, it is SGD."""
+
+    fail_at: int | None = None
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == FailsInsideUpdate.fail_at:
+            group = self.param_groups[0]
+            first = group["params"][0]
+            first.sub_(group["lr"] * first.grad)  # one of the step's writes, the others never made
+            raise RuntimeError(f"the optimizer failed inside its step {self.calls}, one parameter written")
+        return super().step(closure)
+
+
+def warmup_constant(
+    optimizer, total_steps: int, warmup_steps: int = 20, min_lr_ratio: float = 0.05, warmup_epochs=None
+):
+    """`optim.schedule._target_=helpers.warmup_constant`: a schedule of one's own taking
+    goodput.run.schedule.warmup_cosine's arguments (a linear warm-up, then the LR held): its class
+    changed and no other key."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))

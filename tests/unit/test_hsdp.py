@@ -209,12 +209,30 @@ def _step_rank(rank: int, port: int, out: str) -> None:
         torch.manual_seed(0)
         strategy = HSDP(size)
         model = strategy.wrap(SmallCNN(num_classes=4, width=8), d)
+        res[f"mesh_{size}"] = _mesh_of(model, strategy, rank)
         step = _sgd_step(model, strategy, StepOptions(clip_grad_norm=1e-3))
         step(_mine(x, rank), _mine(y, rank), 0)
         res[f"norm_{size}"] = step.last_grad_norm
     res["notes"] = notes
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     end_gloo_rank()
+
+
+def _mesh_of(model, strategy, rank: int) -> dict:
+    """The mesh the parameters live on, as this rank sees it: its shape and dim names, the ranks of
+    its `shard` and `replicate` groups, the strategy's own replica group and shard peers (what a
+    rescue counts on), and each parameter's (whole, local) first dim."""
+    import torch.distributed as dist
+
+    mesh = next(model.parameters()).device_mesh
+    return {
+        "shape": tuple(mesh.shape), "names": tuple(mesh.mesh_dim_names),
+        "shard": dist.get_process_group_ranks(mesh.get_group("shard")),
+        "replicate": dist.get_process_group_ranks(mesh.get_group("replicate")),
+        "replica_group": strategy.replica_group(rank, WORLD),
+        "shard_peers": strategy.shard_peers(rank, WORLD),
+        "rows": [(p.shape[0], p.to_local().shape[0]) for p in model.parameters()],
+    }  # fmt: skip
 
 
 def _unsharded_reference(steps: int):
@@ -238,7 +256,8 @@ def test_hsdp_step_clips_by_the_unsharded_norm_syncs_once_and_skips_together(tmp
     rounding, no gradient is reduced before the last micro-step, the EMA is sharded like the model
     and reads back whole from its DCP shards, an inf in one rank's shard skips the fp16 step on
     every rank, and bf16 parameters keep fp32 master weights and gradients. The degenerate meshes
-    (one group of 4, four groups of 1) clip by the same norm, and the log names their layout."""
+    (one group of 4, four groups of 1) are those meshes (shape, groups, each parameter's shards: not
+    square, so a mesh with its dims swapped shows), clip by the same norm, and the log names them."""
     import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as mp
 
@@ -257,6 +276,20 @@ def test_hsdp_step_clips_by_the_unsharded_norm_syncs_once_and_skips_together(tmp
         assert g["bf16_dtypes"] == ["torch.float32"] and torch.isfinite(g["bf16_loss"])
         assert torch.allclose(g["bf16_norm"], norm, rtol=0.05), (g["bf16_norm"], norm)
         assert torch.allclose(g["norm_4"], norm, rtol=1e-5) and torch.allclose(g["norm_1"], norm, rtol=1e-5)
+    # the meshes themselves, not square: 4 ranks in one replica group (sharded 4 ways), then 4
+    # replica groups of one rank (whole parameters on each); the rescue's groups are the mesh's rows
+    for r, g in enumerate(got):
+        one, four = g["mesh_4"], g["mesh_1"]
+        assert (one["shape"], one["names"]) == ((1, 4), ("replicate", "shard"))
+        assert one["shard"] == one["replica_group"] == [0, 1, 2, 3] and one["replicate"] == [r]
+        assert one["shard_peers"] == [r]
+        assert (four["shape"], four["names"]) == ((4, 1), ("replicate", "shard"))
+        assert four["shard"] == four["replica_group"] == [r] and four["replicate"] == [0, 1, 2, 3]
+        assert four["shard_peers"] == [0, 1, 2, 3]
+        assert all(whole == local for whole, local in four["rows"])  # every rank holds all of it
+    rows = [g["mesh_4"]["rows"] for g in got]
+    for i, (whole, _) in enumerate(rows[0]):  # each parameter's rows held once, across the 4
+        assert sum(r[i][1] for r in rows) == whole
     mesh = "hsdp: {} replica group(s) x {} shard(s) (mesh replicate x shard): "
     assert got[0]["notes"] == [
         mesh.format(1, 4) + "one replica group, the layout of parallel=fsdp",

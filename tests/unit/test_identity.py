@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import torch
 from helpers import REPO, make_app
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
@@ -178,6 +179,152 @@ def test_what_is_trained_decides_the_name_and_nothing_else_does():
     assert base not in others.values() and len(set(others.values())) == len(OTHER_RUN), others
 
 
+# -- every identity row, one change each -------------------------------------------------------------------
+# The identity rows of goodput.identity.TABLE, frozen here: reclassifying one (trainer.clip_grad_norm
+# made "not what is trained", and docs/config.md regenerated as its test asks) fails this file until
+# the list is edited too, in the same diff a reviewer reads.
+IDENTITY_ROWS = [
+    "augment.after_normalize.*", "augment.mean", "augment.std", "augment.train.*", "batch_augment.*",
+    "data.dataset.*", "data.image_size", "data.repeated_augment", "data.root", "data.source.shuffle_block",
+    "data.train_crop_size", "demo_data.image_size", "demo_data.kind",
+    "demo_data.num_classes", "demo_data.seed", "demo_data.train_per_class", "demo_data.val_per_class",
+    "model.*", "optim.bias_weight_decay", "optim.norm_weight_decay", "optim.optimizer.*", "optim.schedule.*",
+    "optim.schedule._partial_", "optim.schedule._target_", "optim.schedule.min_lr_ratio",
+    "optim.schedule.total_steps", "optim.schedule.warmup_epochs", "optim.schedule.warmup_steps",
+    "run.init_from", "seed", "task.*", "trainer.clip_grad_norm", "trainer.ema_decay",
+    "trainer.ema_every_n_steps", "trainer.ema_start_step", "trainer.global_batch_size",
+    "trainer.micro_batch_size", "trainer.precision", "trainer.sync_batchnorm",
+]  # fmt: skip
+# Rows whose other values the job takes on CUDA only (torch's SyncBatchNorm)
+NEEDS_CUDA = {"trainer.sync_batchnorm"}
+# Identity rows with no valid value but their default: the frozen list alone guards them.
+NO_OTHER_VALUE = {"optim.schedule._partial_": "the schedule is called with the optimizer: false builds none"}
+# What each row changes, as (options composed first, key): under an open node (`.*`) representative
+# keys per option file; a plain row its own key, in the smoke default unless BASE names options.
+NODE_KEYS = {
+    "model.*": [((), "model.width"), ((), "model._target_"),
+                (("model=resnet18",), "model.zero_init_residual")],
+    "task.*": [((), "task.loss.label_smoothing"), ((), "task.loss._target_"), ((), "task._target_")],
+    "batch_augment.*": [((), "batch_augment.mixup_alpha"), ((), "batch_augment._target_"),
+                        (("batch_augment=mixup_cutmix",), "batch_augment.switch_prob")],
+    "data.dataset.*": [((), "data.dataset._target_")],
+    "augment.train.*": [((), "augment.train.2.brightness"), (("augment=light",), "augment.train.0.scale"),
+                        (("augment=none",), "augment.train")],
+    "optim.optimizer.*": [((), "optim.optimizer.lr"), ((), "optim.optimizer.momentum"),
+                          ((), "optim.optimizer._target_"),
+                          (("optim=adamw",), "optim.optimizer.weight_decay")],
+    "optim.schedule.*": [(("optim/schedule=step",), "optim.schedule.step_size")],
+    "augment.after_normalize.*": [((), "augment.after_normalize")],
+}  # fmt: skip
+BASE = {
+    "data.source.shuffle_block": ("data=shards",),
+    "trainer.ema_every_n_steps": ("trainer.ema_decay=0.999",),
+    "trainer.ema_start_step": ("trainer.ema_decay=0.999",),
+}
+# A valid value other than the default where its type gives none (null, a string, a list, a class, a
+# key the option does not set); every other key gets one by its type (other_value).
+VALUES = {
+    "run.init_from": "/elsewhere/checkpoints/source",
+    "trainer.precision": "bf16-mixed",
+    "trainer.micro_batch_size": 8,
+    "trainer.clip_grad_norm": 1.0,
+    "trainer.ema_decay": 0.999,
+    "demo_data.kind": "multilabel",
+    "data.root": "/data/flowers",
+    "augment.mean": [0.485, 0.456, 0.406],  # ImageNet's
+    "augment.std": [0.229, 0.224, 0.225],
+    "augment.train.0.scale": [0.5, 1.0],
+    "augment.train": [{"_target_": "torchvision.transforms.v2.Resize", "size": [16, 16]}],
+    "optim.norm_weight_decay": 0.0,
+    "optim.bias_weight_decay": 0.0,
+    "optim.schedule._target_": "helpers.warmup_constant",  # warmup_cosine's arguments
+    "model._target_": "helpers.StochasticNet.build",  # SmallCNN's arguments
+    "model.zero_init_residual": True,
+    "task._target_": "goodput.recipe.task.Multilabel",
+    "task.loss._target_": "torch.nn.BCEWithLogitsLoss",
+    "batch_augment.mixup_alpha": 0.2,
+    "batch_augment._target_": "torchvision.transforms.v2.Identity",
+    "batch_augment.switch_prob": 0.25,
+    "data.dataset._target_": "goodput.data.dataset.CsvManifest",
+    "optim.optimizer._target_": "torch.optim.RMSprop",  # SGD's arguments
+    "augment.after_normalize": [{"_target_": "torchvision.transforms.v2.RandomErasing"}],
+    "optim.schedule.warmup_epochs": 0.5,  # (the job turns it into steps: epochs_to_steps)
+}
+# Keys a class does not take, dropped beside its change: each out of the digest already (not an
+# identity key, null, or NEUTRAL), so the change stays that key's alone.
+DROPPED = {
+    "task._target_": ["task.top_k"],
+    "task.loss._target_": ["task.loss.label_smoothing"],
+    "batch_augment._target_": ["batch_augment.mixup_alpha", "batch_augment.cutmix_alpha"],
+}
+
+
+def other_value(key: str, default):
+    """A valid value of `key` other than `default` (as resolved): VALUES's, else one by its type."""
+    if key in VALUES:
+        return VALUES[key]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default * 2 if default else 1
+    if isinstance(default, float):
+        return default / 2 if default else 0.1
+    raise AssertionError(f"{key}: no value by type for {default!r}: give one in VALUES")
+
+
+_bases: dict = {}
+
+
+def base_config(options: tuple[str, ...]):
+    if options not in _bases:
+        _bases[options] = composed(*options)
+    return _bases[options]
+
+
+def test_the_identity_rows_are_the_frozen_list():
+    assert sorted(k for k, ident, _ in identity.TABLE if ident) == IDENTITY_ROWS
+
+
+@pytest.mark.parametrize("row", IDENTITY_ROWS)
+def test_each_identity_key_changed_alone_names_another_run(row, monkeypatch):
+    """Each identity key set to a valid value other than its default (validate() takes it) gives
+    another default run name, and the digest's keys differ in that key alone (and the keys that say
+    `${key}`): a row reclassified as "not what is trained" would keep the name, and a relaunch with
+    the key changed would continue the other run."""
+    from omegaconf import open_dict
+
+    from goodput.config import validate
+    from goodput.run.job import epochs_to_steps
+
+    if row in NO_OTHER_VALUE:
+        return
+    for options, key in NODE_KEYS[row] if row.endswith(".*") else [(BASE.get(row, ()), row)]:
+        base = base_config(options)
+        value = other_value(key, OmegaConf.select(base, key, default=None))
+        cfg = base.copy()
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+            for gone in DROPPED.get(key, []):
+                parent, _, leaf = gone.rpartition(".")
+                del OmegaConf.select(cfg, parent)[leaf]
+        raw = dict(identity.leaves(OmegaConf.to_container(base)))
+        follow, grew = {key}, True  # the keys that say `${key}`, or `${k}` of one that does
+        while grew:
+            more = {k for k, v in raw.items() if any(f"${{{f}}}" in str(v) for f in follow)} - follow
+            follow, grew = follow | more, bool(more)
+        differ = [k for k, _, _ in identity.differences(identity.keys(base), identity.keys(cfg))]
+        alone = all(k == key or k.startswith(f"{key}.") or k in follow for k in differ)
+        assert differ and alone, (key, value, differ)
+        name = str(cfg.run.name)
+        epochs_to_steps(cfg)  # as the job does before it resolves
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert name == resolved["run"]["name"] != base.run.name, (key, value)
+        if row in NEEDS_CUDA:
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        validate(resolved)  # a value the job takes
+
+
 def test_the_paths_follow_the_name_and_an_explicit_name_is_kept():
     cfg = composed("paths.root=/r", hydra=True)
     name = cfg.run.name
@@ -292,6 +439,25 @@ def test_an_explicit_name_with_other_identity_keys_is_refused_naming_each(store,
     assert run.data.tags["goodput.identity"] == ctx2.identity["digest"] != ctx.identity["digest"]
     # what rank 0's Tracker uploads as the run's identity.json (tests/unit/test_phases.py: uploaded)
     assert ctx2.identity["keys"]["optim.optimizer.lr"] == 0.05
+
+
+@pytest.mark.parametrize("key", ["trainer.clip_grad_norm", "trainer.ema_decay", "run.init_from"])
+def test_a_key_set_on_one_side_only_is_refused_naming_it(store, key):
+    """A key null in the run is absent from its record: a relaunch that sets it (or a run that had it
+    relaunched without it) differs in a key only one side holds, and is refused naming it, null on
+    the other side; comparing only the keys both records hold would continue the run."""
+    value = {"trainer.clip_grad_norm": 1.0, "trainer.ema_decay": 0.999}.get(key)
+    if key == "run.init_from":  # a warm start's source: it must be there when the run starts
+        src, src_ctx = store.prepare("run.name=source")
+        store.commit(src, src_ctx, 4)
+        value = src.checkpoint.dir
+    for name, theirs, ours in (("without", None, value), ("with", value, None)):
+        setting = lambda v: [f"{key}={v}"] if v is not None else []  # noqa: E731
+        c, ctx = store.prepare(f"run.name={name}", *setting(theirs))
+        store.commit(c, ctx, 4)
+        with pytest.raises(job.IdentityChanged) as e:
+            store.prepare(f"run.name={name}", *setting(ours))
+        assert f"{key} (the run: {json.dumps(theirs)}, this launch: {json.dumps(ours)})" in str(e.value)
 
 
 def test_a_changed_identity_is_refused_before_the_demo_data_and_the_run_lock(store, caplog):

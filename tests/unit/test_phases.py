@@ -108,6 +108,33 @@ def test_a_slow_first_evaluation_of_a_compiled_run_is_not_a_hang(tmp_path, one_p
     assert bounds == {(600.0 + 1800.0, 900.0, 1800.0)}
 
 
+def test_a_slow_blocking_save_is_not_a_hang(tmp_path, one_process, fired, monkeypatch):
+    """A blocking save of step 4 takes 1.5 x trainer.hang_timeout_s (a slow store): longer than a
+    step may stall, shorter than trainer.phase_timeout_s. It is a phase of its own, not a hang; so
+    are every save and the wait for the last upload, each named in the watchdog's phases."""
+    from goodput.checkpoint.manager import CheckpointManager
+
+    real_save, phase, phases = CheckpointManager._save, Watchdog.phase, []
+
+    def slow_save(self, step, app, extra):
+        if step == 4:
+            time.sleep(3.0)  # hang_timeout_s is 2
+        return real_save(self, step, app, extra)
+
+    def watched(self, what, compiles=False):
+        phases.append(what)
+        return phase(self, what, compiles)
+
+    monkeypatch.setattr(CheckpointManager, "_save", slow_save)
+    monkeypatch.setattr(Watchdog, "phase", watched)
+    summary, _ = run_job_here(tmp_path, "trainer.hang_timeout_s=2", "trainer.phase_timeout_s=10")
+    assert fired == []
+    assert summary["steps"] == 12
+    saves = [p for p in phases if p.startswith("checkpoint save")]
+    assert saves == [f"checkpoint save of step {s}" for s in (4, 8, 12)]
+    assert "waiting for the last checkpoint upload" in phases[phases.index(saves[-1]) :]
+
+
 @pytest.fixture
 def silent_store():
     """A store on loopback that accepts connections and never answers (helpers.SilentStore)."""

@@ -255,6 +255,27 @@ def test_inside_the_update_nothing_is_written(tmp_path):
     assert not [n for n in store.ls() if parse_step(n) is not None]
 
 
+def test_a_failure_inside_the_optimizers_step_writes_no_rescue(tmp_path, one_process, monkeypatch):
+    """The optimizer of the job (one of the test's own, by `_target_`) writes one parameter of step 7
+    and raises: the parameters are no step's. No rescue is written, whatever the optimizer: the mark
+    is where `optimizer.step()` starts (StepGuard's pre-hook), not where the loop thinks it is. The
+    relaunch resumes the regular step-4 commit and ends on the uninterrupted run's model."""
+    from helpers import FailsInsideUpdate
+
+    mine = [*NET, "optim.optimizer._target_=helpers.FailsInsideUpdate"]
+    ref, _ = run_job_here(tmp_path, *mine, "run.name=ref")  # one paths.root: one demo data, one store
+    monkeypatch.setattr(FailsInsideUpdate, "fail_at", 7)
+    with pytest.raises(RuntimeError, match="failed inside its step 7, one parameter written"):
+        run_job_here(tmp_path, *mine, "run.name=a")
+    store = Storage(str(ckpt_dir(tmp_path, "a")))
+    assert [r["dir"] for r in Commits(store).committed()] == ["step-000000004"]
+    records = Rescues(store).records()
+    assert [(r["outcome"], r["step"], r["reached"]) for r in records] == [("in_update", None, 6)]
+    monkeypatch.setattr(FailsInsideUpdate, "fail_at", None)
+    s, _ = run_job_here(tmp_path, *mine, "run.name=a")
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
+
+
 def test_a_main_thread_stuck_inside_a_boundary_does_not_hold_the_watchdog(tmp_path):
     """The main thread holds the rescue's lock while it notes a boundary (a clone of the buffers, a
     scaler's .item(): device work). A device wedged there must not block the watchdog's rescue,
@@ -619,6 +640,51 @@ def test_a_ranks_streams_at_a_boundary_are_known_without_its_state():
     assert torch.equal(torch.rand(3), draws[0]) and (np.random.rand(2) == draws[1]).all()
     assert random.random() == draws[2]
     assert RNGState(7, 0).derived(3, 12) != other and RNGState(7, 0).derived(2, 11) != other
+
+
+def _own_streams(seed: int, rank: int, step: int) -> dict:
+    """What `rank`'s own RNGState holds at the boundary after `step` (its at_step run here, this
+    process's streams put back after), as a checkpoint's per-rank entry reads back."""
+    import random
+
+    import numpy as np
+
+    from goodput.checkpoint.state import RNGState
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        streams = RNGState(seed, rank)
+        streams.at_step(step)
+        sd = streams.state_dict()
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+    return json.loads(json.dumps(sd))
+
+
+def test_a_two_rank_rescue_writes_each_ranks_own_random_streams(tmp_path):
+    """Under ddp one survivor writes the rescue for both ranks: rank 1's entry must be rank 1's
+    streams at the boundary, not a copy of the writer's (every stream is reseeded at the next step
+    today, but a checkpoint says where each rank's streams stood, and a resume sets them)."""
+    import torch.distributed.checkpoint as dcp
+
+    from goodput.checkpoint.backends import SafeFileSystemReader
+    from goodput.checkpoint.state import decode
+
+    app, _, _ = make_app(0)  # the writer is rank 0 of seed 0
+    app.register("data", _Position())
+    r = _rescue_of(app, tmp_path, world=2)
+    r.boundary(3)
+    r.boundary(5)
+    assert r.write("rank 1 died")["outcome"] == "committed"
+    rec = Commits(Storage(str(tmp_path / "ckpt"))).committed()[0]
+    reader = SafeFileSystemReader(str(tmp_path / "ckpt" / rec["dir"]))
+    md = reader.read_metadata().state_dict_metadata
+    entries = {k: torch.empty(md[k].size, dtype=torch.uint8) for k in md if k.startswith("rank")}
+    assert sorted(entries) == ["rank0.rng", "rank1.rng"]
+    dcp.load(entries, storage_reader=reader, no_dist=True)
+    got = {k: decode(v) for k, v in entries.items()}
+    assert got["rank0.rng"] == _own_streams(0, 0, 5)
+    assert got["rank1.rng"] == _own_streams(0, 1, 5) != got["rank0.rng"]
 
 
 def _rescue_of(app, tmp_path, world=2, strategy=None, timeout_s=10.0):

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import re
 from contextlib import redirect_stderr, redirect_stdout
@@ -73,6 +74,76 @@ def test_the_nested_model_form_a_run_trains_is_rebuilt_from_its_record(tmp_path,
     rows = list(predict(loaded, [str(p) for p in images]))
     assert rows[0] == ["path", "class", "probability", "top5"] and len(rows) == 3
     assert type(loaded.spec.build_task()).__name__ == "Classification"
+
+
+# The jobs in this process (one_process) run before the tests below make the module's one-process
+# group (dist1): a job makes its own, and a second default group cannot be made beside it.
+def test_predict_and_evaluate_normalize_as_the_record_says(tmp_path, one_process):
+    """A run trained with ImageNet's mean and std (every other record in the suite has the defaults,
+    where normalizing with the defaults instead of the record's values is invisible): predict.py's
+    probabilities and evaluate.py's loss are the checkpoint's weights applied to that eval view,
+    computed here with torchvision from the values the run was given."""
+    import runpy
+
+    import torch.nn.functional as F
+    from helpers import REPO, final_weights, run_job_here
+    from torchvision.transforms import v2
+
+    from goodput.data.dataset import ImageFolder
+
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    summary, c = run_job_here(tmp_path, f"augment.mean={mean}", f"augment.std={std}", "trainer.max_steps=2")
+    src = summary["checkpoint_dir"]
+    model = SmallCNN(num_classes=10, width=32)
+    model.load_state_dict(final_weights(src))
+    scaled = v2.ToDtype(torch.float32, scale=True)
+    view = v2.Compose([v2.Resize(16, antialias=True), v2.CenterCrop(16), scaled, v2.Normalize(mean, std)])
+    val = ImageFolder(Storage(c.data.root), "val")
+    files = [os.path.join(c.data.root, f) for f in val.files]
+    with torch.no_grad():
+        logits = model.eval()(torch.stack([view(decode(f)) for f in files]))
+    probs = logits.softmax(dim=1)
+
+    out = tmp_path / "predictions.csv"
+    predict_main = runpy.run_path(str(REPO / "scripts" / "predict.py"))["main"]
+    with redirect_stderr(io.StringIO()):
+        assert predict_main([src, *files, "--out", str(out), "--top-k", "10"]) == 0
+    with open(out) as f:
+        rows = list(csv.reader(f))[1:]
+    assert [r[0] for r in rows] == files
+    for row, p in zip(rows, probs):
+        shown = dict(pair.split(":") for pair in row[3].split(";"))  # every class: --top-k 10
+        got = torch.tensor([float(shown[k]) for k in val.classes])
+        assert torch.allclose(got, p, atol=2e-6), (row[0], (got - p).abs().max().item())
+
+    evaluate_main = runpy.run_path(str(REPO / "scripts" / "evaluate.py"))["main"]
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert evaluate_main([src, "--no-mlflow", "--json"]) == 0
+    metrics = json.loads(printed.getvalue())
+    labels = torch.tensor(val.labels)
+    assert metrics["samples"] == len(files)
+    assert math.isclose(metrics["val/loss"], F.cross_entropy(logits, labels).item(), rel_tol=1e-6)
+    assert metrics["val/accuracy"] == (logits.argmax(1) == labels).sum().item() / len(files)
+
+
+def test_a_warm_started_run_resumes_its_own_commit_with_the_source_still_there(tmp_path, one_process):
+    """The job (worker and resume seam) applies run.init_from only to a fresh start. Relaunched
+    after a failure at step 7 with the source still readable (loading it again would go through
+    without an error), the run resumes its own step-4 commit and ends on the uninterrupted
+    warm-started run's model."""
+    from helpers import run_job_here
+
+    from goodput.resilience.fault import InjectedFailure
+
+    src, _ = run_job_here(tmp_path, "trainer.max_steps=2")  # one paths.root: one demo data, one store
+    warm = [f"run.init_from={src['checkpoint_dir']}", "checkpoint.rescue=false"]
+    ref, _ = run_job_here(tmp_path, *warm, "run.name=ref")
+    with pytest.raises(InjectedFailure):
+        run_job_here(tmp_path, *warm, "run.name=warm", "fault.raise_at_step=7")
+    assert os.path.isdir(src["checkpoint_dir"])
+    s, _ = run_job_here(tmp_path, *warm, "run.name=warm", "fault.raise_at_step=7")
+    assert s["resumed_from_steps"] == [4] and s["model_sha256"] == ref["model_sha256"]
 
 
 def test_a_hostile_task_record_is_refused():
