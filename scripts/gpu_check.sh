@@ -14,6 +14,8 @@
 #                grace or the collective timeout, rescues step 7 and the restart resumes it
 #   hsdp         4 GPUs: parallel=hsdp, 2 replica groups x 2 shards on NCCL, bf16, rank 3 killed at step 10
 #                -> the survivors' rescue of step 10 -> == the uninterrupted run; SKIP with fewer GPUs
+#   recipe       the V2 recipe's parts (MixUp/CutMix, TrivialAugmentWide, ...) killed and resumed by
+#                scripts/check.py == the uninterrupted run; syncbn: the same on 2 GPUs with SyncBatchNorm
 #   bench        scripts/bench_step.py: images/s per switch (resnet18 on GPU), compile restart cold vs warm
 #
 # Without CUDA it says so and runs what a CPU can (the entry-point checks, gloo); the CUDA-only ones
@@ -222,6 +224,26 @@ if [ "${NGPU:-0}" -ge 4 ]; then
   fi
 else
   line SKIP hsdp "needs 4 GPUs (2 replica groups x 2 shards), this machine has ${NGPU:-0}; CPU drills: tests/e2e/test_hsdp_runs.py"
+fi
+
+# -- recipe: the V2 recipe's parts killed and resumed by scripts/check.py (make check) on this device --
+# (the batch transform draws on the CPU generator and mixes CUDA tensors; SyncBatchNorm is CUDA only)
+check() {  # NAME OVERRIDES...: scripts/check.py's verdict, log in $OUT/NAME.log
+  local name=$1
+  shift
+  PYTHONPATH="src:tests" timeout 300 "$PY" scripts/check.py --steps 6 --kill-at 3 experiment=smoke \
+    "paths.root=$ROOT/$name" "$@" >"$OUT/$name.log" 2>&1
+}
+recipe=(task.loss.label_smoothing=0.1 batch_augment=mixup_cutmix augment=ta_wide optim.norm_weight_decay=0.0
+        data.repeated_augment=2)
+if check recipe "${recipe[@]}"; then line PASS recipe "$(grep '^check: resume' "$OUT/recipe.log")"
+else line FAIL recipe "$(grep '^check:' "$OUT/recipe.log" | tail -2 | tr '\n' ' ') (see $OUT/recipe.log)"; fi
+if [ "$CUDA" = 1 ] && [ "${NGPU:-0}" -ge 2 ]; then
+  if check syncbn "${recipe[@]}" parallel=ddp parallel.nproc_per_node=2 model._target_=helpers.StochasticNet.build \
+    model.width=8 trainer.sync_batchnorm=true; then line PASS syncbn "$(grep '^check: resume' "$OUT/syncbn.log")"
+  else line FAIL syncbn "$(grep '^check:' "$OUT/syncbn.log" | tail -2 | tr '\n' ' ') (see $OUT/syncbn.log)"; fi
+else
+  line SKIP syncbn "trainer.sync_batchnorm needs 2 GPUs (torch's SyncBatchNorm is CUDA only), this machine has ${NGPU:-0}"
 fi
 
 # -- bench ------------------------------------------------------------------------------------------

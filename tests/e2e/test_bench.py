@@ -235,3 +235,16 @@ def test_bench_data_smoke(tmp_path):
     )
     assert "reusing the dataset" in p2.stderr
     assert json.loads((tmp_path / "again" / "bench_data.json").read_text())["sweep"] == []
+
+
+def test_bench_recipe_smoke(tmp_path):
+    """bench_recipe.py at a tiny size: a cost row against the plain one, and an accuracy pair, in
+    its JSON (the numbers themselves are docs/benchmarks.md's, measured on a quiet machine)."""
+    out = tmp_path / "bench"
+    run_script(
+        "bench_recipe.py", "--only", "cost", "--cost-steps", "2", "--parts", "mixup", "--out", str(out)
+    )
+    got = json.loads((out / "recipe.json").read_text())
+    assert [r["part"] for r in got["cost"]] == ["plain (experiment=demo)", "mixup_cutmix"]
+    assert got["cost"][0]["vs_plain"] == 1.0 and all(r["images_per_s"] > 0 for r in got["cost"])
+    assert (out / "recipe.png").stat().st_size > 0
