@@ -266,3 +266,34 @@ def test_sync_batchnorm_is_refused_where_it_cannot_work():
         ConfigError, match=r"trainer.sync_batchnorm=true with parallel.strategy goodput.parallel.FSDP"
     ):
         validate(c)
+
+
+def test_fsdp_takes_its_blocks_from_the_model_and_refuses_a_model_without_any():
+    """The shard plan comes with the model (the class's `shard_units`, SHARD_PLANS for torchvision's
+    builders, or parallel.shard_units), never guessed from attribute names: a model without one is
+    refused under fsdp before any work, naming it (built on the meta device: nothing allocated)."""
+    import torchvision
+
+    from goodput.recipe.models import SmallCNN, shard_plan, shard_units
+
+    fsdp = ["paths.root=/x", "experiment=smoke", "parallel=fsdp", "parallel.nproc_per_node=2"]
+
+    def check(*overrides):
+        validate(OmegaConf.to_container(compose_train([*fsdp, *overrides]), resolve=True))
+
+    check()  # SmallCNN: blocks.*
+    check("model=resnet18")  # SHARD_PLANS: layer1..4
+    with pytest.raises(ConfigError, match=r"model torchvision.models.densenet121 has no shard plan"):
+        check("model._target_=torchvision.models.densenet121", "~model.width")
+    check(
+        "model._target_=torchvision.models.densenet121",
+        "~model.width",
+        "parallel.shard_units=[features.denseblock*]",
+    )
+    with pytest.raises(ConfigError, match=r"no shard plan matching parallel.shard_units=\['blocks.\*'\]"):
+        check("model=resnet18", "parallel.shard_units=[blocks.*]")
+    assert (
+        len(shard_units(SmallCNN(4, 8), shard_plan(SmallCNN(4, 8), None))) == 3
+    )  # the blocks, not their insides
+    vit = torchvision.models.vit_b_16(num_classes=4)
+    assert len(shard_units(vit, shard_plan(vit, "torchvision.models.vit_b_16"))) == 12
