@@ -47,7 +47,7 @@ def test_help_lists_each_group_s_options_with_their_descriptions(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.splitlines()
     assert "checkpoint: dcp_async, dcp_sync, torch_save  (selected: dcp_async)" in lines
-    assert "optim/schedule: step, warmup_cosine  (selected: warmup_cosine)" in lines
+    assert "optim/schedule: cosine, step, warmup_cosine  (selected: warmup_cosine)" in lines
     found = (re.match(r"^([a-z_/]+): ([^ ]+(?:, [^ ]+)*)", ln) for ln in lines)
     groups = {m[1]: m[2].split(", ") for m in found if m}
     assert len(groups) >= 15 and not [g for g, opts in groups.items() if "base" in opts]

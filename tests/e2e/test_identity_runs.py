@@ -115,7 +115,7 @@ def test_a_run_that_fails_before_its_loop_ends_failed_with_the_error(tmp_path, c
     """Both fail in the worker's build (the model's constructor; the loader), after the MLflow run
     was opened. (A target that is not there is refused before any work: test_messages_runs.)"""
     if case == "model_raises":
-        overrides, says = ("model.width=3",), "num_channels (3) must be divisible by num_groups (8)"
+        overrides, says = ("model.width=3",), "width must be a multiple of 8 (GroupNorm's 8 groups), got 3"
     else:
         tiny = tmp_path / "tiny"
         make_dataset(str(tiny), num_classes=2, train_per_class=3, val_per_class=1, image_size=16)

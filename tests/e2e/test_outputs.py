@@ -180,8 +180,9 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     want = app.model.state_dict()
     got = loaded.to(torch.float32).state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    node = {"_target_": "goodput.model.SmallCNN", "width": 8}
-    record = {"node": node, "classes": CLASSES, "image_size": 16, "mean": [0.5] * 3, "std": [0.25] * 3}
+    node = {"_target_": "goodput.recipe.models.SmallCNN", "width": 8}
+    record = {"node": node, "classes": CLASSES, "image_size": 16, "mean": [0.5] * 3, "std": [0.25] * 3,
+              "task": c.task, "resize_size": None}  # fmt: skip
     assert loaded.goodput == record
     assert mlflow.models.get_model_info(uri).metadata == {"goodput": record}
     assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions

@@ -113,9 +113,12 @@ def test_resume_none_refuses_to_overwrite_unless_asked(tmp_path):
 
 
 def test_resume_from_explicit_path_supersedes_the_newer_lineage(tmp_path, smoke_reference):
-    run_train(tmp_path, "checkpoint=dcp_sync", "trainer.max_steps=8")  # commits 4 and 8 (keep_last=2)
+    # commits 4, 8 and 12 (the same schedule as the reference: smoke's cosine decays over max_steps)
+    run_train(tmp_path, "checkpoint=dcp_sync", "checkpoint.keep_last=3")
     ck = ckpt_dir(tmp_path)
-    p, s = run_train(tmp_path, "checkpoint=dcp_sync", f"run.resume={ck}/step-000000004")
+    p, s = run_train(
+        tmp_path, "checkpoint=dcp_sync", "checkpoint.keep_last=3", f"run.resume={ck}/step-000000004"
+    )
     assert s["resumed_from_steps"] == [4]
     assert s["model_sha256"] == smoke_reference("dcp_sync")["model_sha256"]
     # the old step 8 was moved aside, not left to win the next auto-resume or to starve retention
@@ -168,7 +171,7 @@ def test_a_class_added_to_the_data_stops_the_resume_instead_of_starting_over(tmp
         ("data.root=/nonexistent/data", "/nonexistent/data has no train/ folder"),  # not validate's
         # #34: both failed after the demo data was made (the optimizer's traceback, the build's check)
         ("optim.optimizer.lr=-0.1 checkpoint.keep_best_by=val/top5 demo_data.num_classes=3",
-         "optim.optimizer.lr=-0.1: Invalid learning rate | checkpoint.keep_best_by=val/top5: with 3 classes"),
+         "optim.optimizer.lr=-0.1: Invalid learning rate | checkpoint.keep_best_by=val/top5 is not a metric"),
         ("parallel=hsdp parallel.nproc_per_node=4 parallel.oversubscribe=true parallel.shard_size=3",
          "parallel.shard_size=3 does not divide the world size 4"),
     ],

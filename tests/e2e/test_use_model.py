@@ -158,7 +158,9 @@ def test_predict_from_the_checkpoint_the_export_and_the_mlflow_model_agree(singl
     with safe_open(export, "pt") as f:
         meta = f.metadata()
     spec = ModelSpec.from_metadata(meta, export)  # class names, size, normalization, the model node
-    assert spec.node == {"_target_": "goodput.model.SmallCNN", "width": 32} and len(spec.classes) == 10
+    assert (
+        spec.node == {"_target_": "goodput.recipe.models.SmallCNN", "width": 32} and len(spec.classes) == 10
+    )
     assert (spec.image_size, spec.mean, spec.std) == (16, [0.5] * 3, [0.25] * 3)
 
     outputs = {}

@@ -194,7 +194,8 @@ def _check(*overrides):
         ("optim.optimizer._target_=torch.optim.Adam", "optim.optimizer.momentum", "torch.optim.Adam",
          "conf/optim/sgd.yaml", "~optim.optimizer.momentum"),
         ("optim.schedule._target_=torch.optim.lr_scheduler.StepLR",
-         "optim.schedule.warmup_steps, optim.schedule.min_lr_ratio, optim.schedule.total_steps",
+         "optim.schedule.warmup_steps, optim.schedule.min_lr_ratio, optim.schedule.total_steps, "
+         "optim.schedule.warmup_epochs",
          "torch.optim.lr_scheduler.StepLR", "conf/optim/schedule/warmup_cosine.yaml",
          "~optim/schedule 'optim.schedule={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,"),
     ],
