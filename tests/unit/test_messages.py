@@ -196,7 +196,7 @@ def _check(*overrides):
         ("optim.schedule._target_=torch.optim.lr_scheduler.StepLR",
          "optim.schedule.warmup_steps, optim.schedule.min_lr_ratio, optim.schedule.total_steps, "
          "optim.schedule.warmup_epochs",
-         "torch.optim.lr_scheduler.StepLR", "conf/optim/schedule/warmup_cosine.yaml",
+         "torch.optim.lr_scheduler.StepLR", "conf/optim/schedule/cosine.yaml",  # (smoke selects it)
          "~optim/schedule 'optim.schedule={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,"),
     ],
 )  # fmt: skip
