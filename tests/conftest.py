@@ -42,6 +42,18 @@ def _collector_left_as_found():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _tracking_uri_left_as_found():
+    """A test that points MLflow's fluent API somewhere (mlflow.set_tracking_uri exports
+    MLFLOW_TRACKING_URI) does not hand that store to the in-process jobs of later tests."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session")
 def smoke_reference(tmp_path_factory):
     """Uninterrupted single-process smoke runs, one per checkpoint backend (shared by the drills)."""

@@ -22,7 +22,9 @@ relaunch: goodput.tracking.Tracker.close).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -93,6 +95,25 @@ def bounded(fn, timeout_s: float, what: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def fluent_store(uri: str):
+    """MLflow's fluent API (mlflow.start_run, log_model) pointed at `uri` for the block.
+    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI, which the config reads
+    (`mlflow.tracking_uri: ${oc.env:MLFLOW_TRACKING_URI,...}`): left set, the next job in this
+    process (a -m sweep's, on Hydra's basic launcher) took this run's store for its own. Put back."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     import mlflow
     import mlflow.pytorch
@@ -112,10 +133,9 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     sha = model_sha256(model)
     tags = {"model_sha256": sha, "checkpoint_step": str(step), "checkpoint": ckpt.storage.url(rec["dir"]),
             "weights": source, "eval_on": eval_on}  # fmt: skip
-    mlflow.set_tracking_uri(c.mlflow.tracking_uri)
     # MLflow warns on every pickled model; pickling is this module's documented choice (docstring).
     pickled = logs.known_log_line("mlflow.pytorch", "Saving pytorch model by Pickle")
-    with mlflow.start_run(run_id=run_id), pickled:
+    with fluent_store(c.mlflow.tracking_uri), mlflow.start_run(run_id=run_id), pickled:
         info = mlflow.pytorch.log_model(
             model,
             name="model",

@@ -165,8 +165,11 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     mgr.wait()
     x = torch.randn(4, 3, 16, 16)
     c, run_id = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
+    before = os.environ.get("MLFLOW_TRACKING_URI")
     uri = publish.log_model(c, run_id, mgr, x[:2], _spec(c))
     assert uri is not None and uri.startswith("models:/")
+    # the run's store is not left in the environment for the next job of this process (a sweep's)
+    assert os.environ.get("MLFLOW_TRACKING_URI") == before
     mlflow.set_tracking_uri(c.mlflow.tracking_uri)
     loaded = mlflow.pytorch.load_model(uri)
     app.model.eval()
