@@ -441,6 +441,11 @@ def validate(c: dict) -> Config:
             f"parallel.strategy {name} runs one process, but the world size is {world}: "
             "use parallel=ddp or fsdp"
         )
+    if par.get("spares") and not ck["rescue"]:
+        errors.append(
+            f"parallel.spares={par['spares']} needs checkpoint.rescue=true: the state a spare receives is "
+            "the step boundary the rescue notes"
+        )
     if par.get("spares") and (strategy is not None and not strategy.distributed or world <= 1):
         errors.append(
             f"parallel.spares={par['spares']} with parallel.strategy {name} on {world} process(es): a spare "

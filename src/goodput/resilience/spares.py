@@ -170,6 +170,11 @@ class Roster:
             self.store.set(self.assignment(spare), json.dumps(decision["plan"]))
         return decision
 
+    def decision(self, gen: int) -> dict:
+        """Generation `gen`'s decision so far ({} while there is none)."""
+        key = f"gen{gen}/decision"
+        return _json(self.store.get(key)) if self.store.check([key]) else {}
+
     def await_decision(self, gen: int) -> dict:
         """A survivor, after its report: the decision, or an abort of its own after `timeout_s`."""
         key = f"gen{gen}/decision"

@@ -196,11 +196,26 @@ class Host:
             if child is not None:
                 self._ended(child, st)
                 os.close(child.pipe)
-        if self.status:
+        if not self.status and self.stopping and not self._ended_normally():
+            self.status = 1  # the agent tears the group down (another worker failed): not a return
+        if self.status:  # (a worker that returns waits for the agent to read its value: it never does here)
             for h in logging.getLogger().handlers:
                 h.flush()
             os._exit(self.status)
         return self.summary
+
+    def _ended_normally(self) -> bool:
+        """After a stop signal, with every child gone without an error: did the run end (a notice:
+        rank 0 closed it after its checkpoint), or is the agent tearing the group down? Asked of
+        the store, at most parallel.recovery_timeout_s (the abort of a fallback answers at once)."""
+        deadline = time.monotonic() + self.s.timeout_s
+        while time.monotonic() < deadline:
+            if self.roster.closed():
+                return True
+            if "abort" in self.roster.decision(self.roster.generation()):
+                return False
+            time.sleep(0.05)
+        return False
 
     def _ended(self, child: Child, st: int) -> None:
         rank = child.rank_now()
@@ -269,6 +284,8 @@ def _child(
         for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"):
             os.environ.pop(k, None)
         os.environ["LOCAL_RANK"] = str(local_rank)
+    if torch.cuda.is_available():  # a failed NCCL collective is ours to abort, not the watchdog's to end
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     worker(c, ctx, Member(s, member, pipe, world, waiting=rank is None, after=after))
     return 0
 
@@ -292,7 +309,47 @@ class Member:
 
     # -- a rank ---------------------------------------------------------------------------------
     def attach(self, t) -> None:
+        """A rank, once it is ready to train (a spare: once it took a rank's place)."""
         t.loader.keep_last = True  # the step in flight's batch, delivered again after a recovery
+        threading.Thread(target=self._watch, args=(t,), name="spares-watch", daemon=True).start()
+
+    def _watch(self, t) -> None:
+        """A death in this rank's generation, seen in the store as soon as its host reports it
+        (one C++ wait, no CPU meanwhile). A rank inside a save or an evaluation has no collective
+        that fails soon: it reports that at once, so that the decider falls back at once instead of
+        waiting out parallel.recovery_timeout_s. On CUDA the rank's communicators are aborted: a
+        collective with a dead NCCL peer waits (it does not fail as gloo's does), and the abort
+        makes it fail, so the main thread recovers (written for NCCL, not run on a GPU here)."""
+        store, _ = connect(self.s.timeout_s)
+        roster = Roster(store, self.world, self.s.timeout_s)
+        while True:
+            gen = self.gen
+            try:
+                store.wait([f"gen{gen}/dead"], timedelta(seconds=WAIT_S))
+            except RuntimeError:  # the wait timed out: wait again
+                continue
+            if self.gen != gen:
+                continue
+            _, why = t.rescue.noted()  # (inside an update: the main thread reaches its boundary soon)
+            if t.ckpt.saving():
+                why = "inside a checkpoint save"
+            busy = why if why and "update" not in why else None
+            if busy is not None:
+                roster.report(gen, t.dist.rank, None, busy)
+            elif torch.cuda.is_available():
+                import torch.distributed as dist
+
+                dist.distributed_c10d._abort_process_group()
+            try:  # this generation's decision; after a plan, the next generation is watched
+                store.wait([f"gen{gen}/decision"], timedelta(seconds=3 * self.s.timeout_s))
+                decided = json.loads(store.get(f"gen{gen}/decision"))
+            except (RuntimeError, ValueError):
+                return
+            deadline = time.monotonic() + 3 * self.s.timeout_s
+            while "plan" in decided and self.gen == gen and time.monotonic() < deadline:
+                time.sleep(0.05)  # the main thread joins the next generation
+            if self.gen == gen:
+                return  # an abort: the process falls back and ends
 
     def train(self, t, train):
         """`train(t)` (the loop), run again from the boundary after each in-process recovery."""
@@ -368,7 +425,7 @@ class Member:
         provisional = Dist(self.world - 1, self.world, d.local_rank, d.device, d.ckpt_pg, d.init_timeout_s)
         t = Trainer(c, ctx, provisional, Recovery())
         try:
-            self.attach(t)
+            t.loader.keep_last = True
             size = t.loader.dataset.image_size
             x = torch.zeros(2, 3, size, size, device=d.device)
             if t.step.opts.channels_last:
@@ -416,6 +473,7 @@ class Member:
         t.stop = stop.rescuing(t.rescue.request)
         arm_faults(t, g.restarts + g.in_process)
         g.after_recovery = functools.partial(self._first_step, t, plan)
+        self.attach(t)
         log.warning("spare %d is rank %d now, at step %d (%.2fs since the plan)", self.member, r, step,
                     time.time() - plan["detected"])  # fmt: skip
         return t
