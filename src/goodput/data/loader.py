@@ -128,6 +128,12 @@ class QuietWorkersLoader(DataLoader):
         with signals_blocked(), frozen_for_fork():
             return _PlainErrors(super().__iter__(), self._release)
 
+    def resume(self):
+        """A new pass over the batches on the workers already running (persistent: none is forked,
+        so nothing is frozen for a fork, and the next collection walks no heap that unfreezing
+        would have put back in its reach)."""
+        return _PlainErrors(super().__iter__(), self._release)
+
     def _release(self) -> None:
         if isinstance(self.collate_fn, FirstBatchFirst):  # workers waiting for a batch that will not come
             self.collate_fn.release()
@@ -330,7 +336,7 @@ class ResumableLoader:
         sampler = StepBatchSampler(self.order, self.rank, self.world, step, self.max_steps)
         if self._parked is not None:  # the parked workers get their position: no fork
             self._parked.inner, self._parked = sampler, None
-            self._it, self._it_step = iter(self._dl), step
+            self._it, self._it_step = self._dl.resume(), step
             self._prefetched_until = step
             self._prefetch(step)
             return

@@ -453,12 +453,16 @@ class Member:
         os.write(self.pipe, f"rank {r}\n".encode())  # the host: this process is rank r now
         self.waiting = False
         t.loader.rank = r
-        t.loader.start_at(step)  # the step in flight's batch is made while the group forms
+        # the step in flight's batch is made while the group forms and the state comes (the
+        # parked workers' restart waits on each of them: on busy cores, a tenth of a second)
+        starting = threading.Thread(target=t.loader.start_at, args=(step,), name="spare-loader", daemon=True)
+        starting.start()
         self._join(t, plan, r, d.local_rank, d.init_timeout_s)
         logs.setup(r, ctx.run_dir)
         if r != 0:  # rank hygiene, as every rank's (worker._rank0_view)
             logging.getLogger().setLevel(logging.WARNING)
         sd, header = recv_state(plan["sender"])
+        starting.join()  # before the loader's state is set
         mlflow_run_id, run_dir, lock_token = header["ctx"]
         t.ctx = t.ctx.with_rank0(mlflow_run_id, run_dir, lock_token)
         t.app.apply(sd, StateDictOptions(), step)
