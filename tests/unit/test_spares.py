@@ -20,10 +20,15 @@ from goodput.untrusted import RecordError
 
 
 @pytest.fixture
-def store():
-    """A TCP store of its own (what the elastic agent's is), with a prefix like the job's."""
-    base = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    yield dist.PrefixStore("goodput/restart0/spares/", base)
+def tcp():
+    """A TCP store of its own (what the elastic agent's is)."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+@pytest.fixture
+def store(tcp):
+    """The spares' part of it, with the job's prefix."""
+    return dist.PrefixStore("goodput/restart0/spares/", tcp)
 
 
 def _roster(store, world=3, timeout_s=5.0) -> Roster:
@@ -138,3 +143,177 @@ def test_recovery_records_are_read_as_untrusted_input(tmp_path, caplog):
     assert sum(".malformed-" in n for n in os.listdir(tmp_path / "recoveries")) == 2
     with pytest.raises(RecordError, match="'kind'"):
         check_record(json.dumps(_record(kind="restart")).encode(), "x")
+
+
+# -- a spare process ------------------------------------------------------------------------------
+def _spare_process(c, ctx, port: int, pipe: int) -> None:
+    """A spare as a host forks it (goodput.run.spares._child), in a spawned process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for k in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    from goodput.run.spares import Member, Spares
+    from goodput.run.worker import worker
+
+    worker(c, ctx, Member(Spares(1, 10.0), member=5, pipe=pipe, world=2, waiting=True))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and its children alive now (its DataLoader workers), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_a_waiting_spare_costs_no_cpu_and_exits_when_the_run_ends(tmp_path, tcp, store):
+    """Built (model, optimizer, DDP's buckets settled, two DataLoader workers forked), a spare waits
+    on the store: over 2 s it and its workers use under 2 % of one core. Told the run is over, it
+    exits 0 without ending the MLflow run (it never was a rank)."""
+    import multiprocessing as mp
+
+    from helpers import compose_train, process_state_kept
+
+    from goodput.run import job
+
+    port = tcp.port
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", "parallel=ddp", "data.num_workers=2"])
+    with process_state_kept():
+        c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+    r, w = os.pipe()
+    proc = mp.get_context("spawn").Process(target=_spare_process, args=(c, ctx, port, w))
+    try:
+        proc.start()
+        roster = Roster(store, 2, 10.0)
+        deadline = time.monotonic() + 120
+        while not store.check(["spares/0"]) and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.check(["spares/0"]) and int(store.get("spares/0")) == 5, "the spare never got ready"
+        time.sleep(1.0)  # settled: what the build left behind (its workers' start) is done
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        assert len(_children(proc.pid)) >= 2  # its DataLoader workers, forked and parked
+        time.sleep(2.0)
+        used = _cpu_seconds(proc.pid) - before
+        assert used < 0.02 * (time.monotonic() - t0), f"a waiting spare used {used:.3f} CPU seconds in 2 s"
+        roster.close("the run is over")
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        lock.release()
+        if proc.is_alive():
+            proc.kill()
+        os.close(r)
+        os.close(w)
+
+
+def _ranks(t) -> dict:
+    """Every `rank` a component of the Trainer holds, and what else follows the rank."""
+    out = {name: part.rank for name, part in vars(t).items() if hasattr(part, "rank")}
+    out["dist"] = t.dist.rank
+    out["val_batches"] = list(t.val_loader.batch_sampler)
+    out["tracker"] = t.tracker.enabled
+    out["rescue"] = (t.rescue.rank, t.step.guard.rescue is t.rescue)
+    out["profiler"] = t.profiler.rank
+    out["slow_s"] = t.faults.slow_s
+    return out
+
+
+def test_a_spare_built_for_one_rank_takes_another_as_if_built_for_it(tmp_path, dist1):
+    """Trainer.rebind: whatever was built for a rank is rebuilt for the rank the spare takes, as
+    a Trainer built for that rank has it (a part added to the Trainer later that holds a rank and
+    is left out of rebind fails here)."""
+    from helpers import compose_train, process_state_kept
+
+    from goodput.parallel import Dist
+    from goodput.run import job
+    from goodput.run.build import Trainer
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", "parallel=ddp", "fault.slow_rank=0"])
+    with process_state_kept():
+        c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+        try:
+            at = lambda r: Dist(r, 2, 0, dist1.device, dist1.ckpt_pg, dist1.init_timeout_s)  # noqa: E731
+            built, spare = Trainer(c, ctx, at(0)), Trainer(c, ctx, at(1))
+            assert _ranks(spare) != _ranks(built)
+            spare.rebind(at(0))
+            assert _ranks(spare) == _ranks(built)
+            for t in (built, spare):
+                t.close()
+                t.tracker.close("KILLED", None)
+        finally:
+            lock.release()
+
+
+def _loader(folder, cache_dir, rank=0, world=1, workers=1):
+    import torch
+
+    from goodput.data.config import DataConfig
+    from goodput.data.loader import ResumableLoader
+
+    cfg = DataConfig(
+        source={"_target_": "goodput.data.sources.CachedSource"}, root=folder, cache_dir=str(cache_dir),
+        image_size=16, num_workers=workers, prefetch_factor=2, prefetch_steps=3,
+    )  # fmt: skip
+    return ResumableLoader(cfg, Storage(folder), 5, 4, 6, rank, world, torch.device("cpu"))
+
+
+def test_a_parked_loader_delivers_what_a_started_one_does_on_the_workers_it_forked(folder, tmp_path):
+    """A spare's loader forks its workers with no position (park); given the rank and step it
+    learns later, it delivers the same batches as a loader started there, on the same workers."""
+    import torch
+
+    ref = _loader(folder, tmp_path / "a", rank=1, world=2)
+    ref.step = 2
+    want = [next(ref) for _ in range(2)]
+    ref.close()
+    spare = _loader(folder, tmp_path / "b", rank=0, world=2)  # built for another rank
+    spare.park()
+    workers = spare._dl
+    assert len(_children(os.getpid())) >= 1 and workers is not None
+    spare.rank = 1
+    spare.start_at(2)
+    spare.step = 2
+    got = [next(spare) for _ in range(2)]
+    assert spare._dl is workers  # no new DataLoader: the parked workers took the position
+    for a, b in zip(want, got):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["image"], b["image"])
+    spare.close()
+
+
+def test_the_step_in_flight_is_delivered_again_without_new_workers(folder, tmp_path):
+    """keep_last: the loader's state one step back (the survivors' rewind) delivers the same batch
+    again from the copy it kept; the order hash is the one of a loader that never went back."""
+    import torch
+
+    ref = _loader(folder, tmp_path / "a")
+    for _ in range(3):
+        next(ref)
+    chain = ref.chain.hexdigest
+    ref.close()
+    ld = _loader(folder, tmp_path / "b")
+    ld.keep_last = True
+    next(ld)
+    boundary = ld.state_dict()  # the end of step 1
+    workers = ld._dl
+    in_flight = next(ld)  # step 2's batch: its step fails
+    ld.load_state_dict(boundary)
+    again = next(ld)
+    assert ld._dl is workers  # the same workers: none restarted
+    assert torch.equal(again["index"], in_flight["index"]) and torch.equal(again["image"], in_flight["image"])
+    next(ld)
+    assert ld.chain.hexdigest == chain
+    ld.close()
