@@ -75,8 +75,8 @@ def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Di
         dist.init_process_group(
             backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world, timeout=timeout
         )
-    else:
-        rank, world, local_rank = 0, 1, 0
+    else:  # (a spare of parallel.spares: on the device its host set, goodput.run.spares)
+        rank, world, local_rank = 0, 1, torch.cuda.current_device() if cuda else 0
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -284,6 +284,8 @@ def _child(
         for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"):
             os.environ.pop(k, None)
         os.environ["LOCAL_RANK"] = str(local_rank)
+        if torch.cuda.is_available():  # a device of its own, after the ranks' (nproc_per_node + i)
+            torch.cuda.set_device(local_rank)
     if torch.cuda.is_available():  # a failed NCCL collective is ours to abort, not the watchdog's to end
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     worker(c, ctx, Member(s, member, pipe, world, waiting=rank is None, after=after))
