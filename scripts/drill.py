@@ -336,7 +336,7 @@ def main() -> None:
     p.add_argument("--root", default=str(REPO / "outputs" / "drill"), help="paths.root for the drill runs")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench"))
     p.add_argument("--mtbf", type=float, help="mean seconds between kills (default 20, or the preset's)")
-    p.add_argument("--kills", type=int, help="at most this many kills per faulty run (default 2, or the preset's)")
+    p.add_argument("--kills", type=int, help="most kills per faulty run (default 2, or the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill times (repeatable drills)")
     p.add_argument(
         "--compare", action="store_true", help="faulty runs for torch_save@50, dcp_sync@10, dcp_async@10"
