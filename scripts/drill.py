@@ -406,8 +406,9 @@ def main() -> None:
     # The first run under a root pays one-time costs that would count in its wall time: demo data
     # generation, MLflow database creation, cold file caches. A one-step warm-up pays them, so the
     # clean and the faulty runs start alike (without it, cheap restarts made faulty beat clean).
+    # Longer than the demo's LR warm-up (20 steps), which a run of one step would be refused for.
     print("warm-up run (data, MLflow database, file caches) ...", flush=True)
-    run(a.root, f"drill-{tag}/warmup", [*a.overrides, "trainer.max_steps=1", f"seed={a.seed}"])
+    run(a.root, f"drill-{tag}/warmup", [*a.overrides, "trainer.max_steps=25", f"seed={a.seed}"])
     rows, phases, recovery, lost, cpu = [], [], {}, {}, {}
     for k in range(1, a.repeat + 1):
         n = f" #{k}" if a.repeat > 1 else ""  # a round's labels and run names

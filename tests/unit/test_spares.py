@@ -317,3 +317,24 @@ def test_the_step_in_flight_is_delivered_again_without_new_workers(folder, tmp_p
     next(ld)
     assert ld.chain.hexdigest == chain
     ld.close()
+
+
+def test_the_planner_counts_in_process_recoveries_as_failures_that_lost_the_step_in_flight(tmp_path):
+    """advise (given the checkpoint dir): each in-process recovery's failure-to-first-step is a
+    measured restart cost beside the attempt records' gaps, and a failure that lost one step."""
+    from goodput.calculator.advise import in_process, rescued, restart_cost
+
+    store = Storage(str(tmp_path))
+    for n, total in ((1, 0.3), (2, 0.5)):
+        store.write_bytes(record_name(0, n), json.dumps(_record(n=n, total_seconds=total)).encode())
+    store.write_bytes(record_name(0, 3), b"{not json")  # left out, not moved: the planner only reads
+    spared = in_process(str(tmp_path))
+    assert [r["n"] for r in spared] == [1, 2] and (tmp_path / record_name(0, 3)).exists()
+    records = [{"attempt": 0, "start": 0.0, "startup": 1.0, "last_seen": 50.0},
+               {"attempt": 1, "start": 51.0, "startup": 1.1, "resumed_kind": "rescue"}]  # fmt: skip
+    m = {"goodput/restarts": 3, "goodput/lost_seconds": 3.0, "goodput/productive_seconds": 100.0}
+    r = restart_cost(m, steps=200, records=records, spared=spared)
+    assert r["restart_seconds"] == pytest.approx((2.1 + 0.3 + 0.5) / 3)
+    assert "in-process recoveries onto a spare: failure to first step (2)" in r["restart_source"]
+    p = rescued(str(tmp_path), records, spared)
+    assert p["rescue_probability"] == 1.0 and p["rescue_restarts"] == 3
