@@ -258,7 +258,7 @@ def test_a_spare_built_for_one_rank_takes_another_as_if_built_for_it(tmp_path, d
             lock.release()
 
 
-def _loader(folder, cache_dir, rank=0, world=1, workers=1):
+def _loader(folder, cache_dir, rank=0, world=1, workers=2):
     import torch
 
     from goodput.data.config import DataConfig
@@ -273,7 +273,8 @@ def _loader(folder, cache_dir, rank=0, world=1, workers=1):
 
 def test_a_parked_loader_delivers_what_a_started_one_does_on_the_workers_it_forked(folder, tmp_path):
     """A spare's loader forks its workers with no position (park); given the rank and step it
-    learns later, it delivers the same batches as a loader started there, on the same workers."""
+    learns later, it delivers the same batches as a loader started there, on the same workers (its
+    first batch made by both of them, a sample each: merged, it is the same batch)."""
     import torch
 
     ref = _loader(folder, tmp_path / "a", rank=1, world=2)

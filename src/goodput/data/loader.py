@@ -247,12 +247,23 @@ def die_with_parent(worker_id: int) -> None:
 
 
 class _Parked:
-    """A batch sampler with no position yet (ResumableLoader.park): empty until `inner` is set."""
+    """A batch sampler with no position yet (ResumableLoader.park): empty until `inner` is set.
+    Its first batch comes as `split` chunks, one per worker: they make it together, where one
+    worker would make it alone while the others make the next ones (the loader merges them)."""
 
     inner = None
+    split = 1
 
     def __iter__(self):
-        return iter(self.inner if self.inner is not None else ())
+        return self._chunked(iter(self.inner)) if self.inner is not None else iter(())
+
+    def _chunked(self, it):
+        first = next(it, None)
+        if first is None:
+            return
+        n = len(first)
+        yield from (first[i * n // self.split : (i + 1) * n // self.split] for i in range(self.split))
+        yield from it
 
     def __len__(self) -> int:
         return len(self.inner) if self.inner is not None else 0
@@ -297,6 +308,7 @@ class ResumableLoader:
         self._dl = self._it = None
         self._it_step = 0
         self._parked = None  # a spare's sampler, its position unset (park)
+        self._chunks = 1  # the next batch comes in this many chunks (a parked loader's first)
         self._last = self._again = None  # (step, batch): the newest delivery, and one to deliver again
         self.first_delivery: float | None = None  # when the first batch was delivered (time.time())
         self.io = {
@@ -335,6 +347,8 @@ class ResumableLoader:
     def _start(self, step: int) -> None:
         sampler = StepBatchSampler(self.order, self.rank, self.world, step, self.max_steps)
         if self._parked is not None:  # the parked workers get their position: no fork
+            per_rank = self.order.global_batch_size // self.world
+            self._parked.split = self._chunks = max(1, min(self.cfg.num_workers, per_rank))
             self._parked.inner, self._parked = sampler, None
             self._it, self._it_step = self._dl.resume(), step
             self._prefetched_until = step
@@ -379,6 +393,9 @@ class ResumableLoader:
             if self._it is None:
                 self._start(self.step)
             batch = next(self._it)
+            if self._chunks > 1:  # a parked loader's first batch, made by every worker (_Parked)
+                batch = _merged([batch, *(next(self._it) for _ in range(self._chunks - 1))])
+                self._chunks = 1
             self._it_step += 1
             if self.keep_last:
                 kept = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -484,6 +501,13 @@ class ResumableLoader:
         # an iterator started ahead (start_at) is kept only if its next batch is this step's
         elif self._it is not None and self._it_step != self.step:
             self._drop_iterator()
+
+
+def _merged(chunks: list[dict]) -> dict:
+    """One batch from consecutive chunks of it: what default_collate would have made of all its
+    samples at once (tensors stacked per sample, so concatenated per chunk)."""
+    return {k: torch.cat([c[k] for c in chunks]) if torch.is_tensor(v) else [x for c in chunks for x in c[k]]
+            for k, v in chunks[0].items()}  # fmt: skip
 
 
 def _gather_indices(mine: torch.Tensor, world: int):

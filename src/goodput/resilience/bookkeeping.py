@@ -47,6 +47,7 @@ class Goodput:
         self.tracker, self.faults, self.compile_paid = tracker, faults, compile_paid
         self.recovery = recovery or Recovery()
         self.restarts = 0
+        self.spares = False  # parallel.spares is on: `begin` counts the in-process recoveries so far
         self.in_process = 0  # in-process recoveries onto a spare so far, in the whole run (parallel.spares)
         self.after_recovery = None  # called with the step after the first step that follows one
         self._found: tuple = ([], {}, [])  # rank 0: the earlier attempts, fault markers, rescues (`begin`)
@@ -79,7 +80,8 @@ class Goodput:
             restarts = self.attempts.begin(resumed, start=t_start, resumed_kind=kind)
             if kind == "rescue":  # the regular commit the restart would have used: summary's steps_saved
                 self.attempts.record["rescued_over"] = restored.get("regular_step", 0)
-            recovered = len(Recoveries(self.attempts.storage).records())
+            # (one more read of the store on a restart's path: only where there can be any)
+            recovered = len(Recoveries(self.attempts.storage).records()) if self.spares else 0
             first_start = min([t_start] + [a["start"] for a in previous])
             info = [restarts, first_start, uncounted, hung, rescued, recovered]
         if self.world > 1:

@@ -228,8 +228,8 @@ class Host:
             if sig is not None and not self.stopping:
                 log.warning("spare %d died (%s): starting another", child.member, signal.Signals(sig).name)
                 self.start(None)
-            elif sig is None:
-                self._fail(code, f"spare {child.member} failed (exit status {code})")
+            elif sig is None:  # its own error (its log says which): the ranks train on, one spare fewer
+                log.warning("spare %d failed (exit status %d): not replaced", child.member, code)
             return
         if sig is None:  # the rank ended: the run's end (0), or its own failure (a rescue is written)
             if code == 0:
@@ -267,7 +267,10 @@ def _read_summary(run_dir: str) -> dict | None:
 
 def host(c, ctx, s: Spares) -> dict | None:
     """The elastic worker's function with spares (goodput.run.launch)."""
+    from goodput import logs
+
     env = os.environ
+    logs.setup(f"host{env['LOCAL_RANK']}")  # (its children set their own: a rank's, a spare's)
     h = Host(c, ctx, s, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
              int(env["LOCAL_WORLD_SIZE"]))  # fmt: skip
     return h.run()

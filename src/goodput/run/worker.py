@@ -103,6 +103,7 @@ def worker(c: Config, ctx: RunContext, spares=None) -> dict | None:
         # end was never written (goodput.run.job), or an elastic restart came after it
         complete = bool(rec) and (rec["step"] >= c.trainer.max_steps or bool(rec.get("stop_reason")))
         t.ends_only = complete and not t.resumed_rescue
+        t.goodput.spares = spares is not None
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
         if spares is not None:
