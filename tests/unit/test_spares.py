@@ -339,3 +339,42 @@ def test_the_planner_counts_in_process_recoveries_as_failures_that_lost_the_step
     assert "in-process recoveries onto a spare: failure to first step (2)" in r["restart_source"]
     p = rescued(str(tmp_path), records, spared)
     assert p["rescue_probability"] == 1.0 and p["rescue_restarts"] == 3
+
+
+def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, caplog):
+    """At compose time: no spare without the rescue's boundary or without survivors. At launch:
+    none under an outside launcher (its agent stops every rank) or a strategy that shards (no
+    survivor holds the dead rank's shard), each said once; the run goes on without."""
+    from types import SimpleNamespace
+
+    from helpers import check_config_change, compose_train
+    from omegaconf import OmegaConf
+
+    from goodput.parallel import LAUNCHER_ENV
+    from goodput.run.spares import Spares, settings
+
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    c = OmegaConf.to_container(
+        compose_train(["paths.root=/x", "experiment=smoke", "parallel=ddp"]), resolve=True
+    )
+    check_config_change(c, {"parallel": {"spares": 1}}, None)
+    check_config_change(c, {"parallel": {"spares": 1}, "checkpoint": {"rescue": False}},
+                        "parallel.spares=1 needs checkpoint.rescue=true")  # fmt: skip
+    check_config_change(c, {"parallel": {"spares": 1, "nproc_per_node": 1}},
+                        "a spare takes a dead rank's place among survivors")  # fmt: skip
+    check_config_change(c, {"parallel": {"spares": -1}}, "parallel.spares must be an int >= 0, got -1")
+
+    def par(target):
+        node = {"spares": 1, "recovery_timeout_s": 5.0, "strategy": {"_target_": target}}
+        return SimpleNamespace(parallel=SimpleNamespace(**node))
+
+    assert settings(par("goodput.parallel.DDP")) == Spares(1, 5.0)
+    for target in ("goodput.parallel.FSDP", "goodput.parallel.HSDP"):
+        assert settings(par(target)) is None
+        assert f"not started under parallel.strategy {target}: no survivor holds" in caplog.text
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert settings(par("goodput.parallel.DDP")) is None
+    assert "not started under an outside launcher" in caplog.text
