@@ -378,3 +378,30 @@ def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, capl
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert settings(par("goodput.parallel.DDP")) is None
     assert "not started under an outside launcher" in caplog.text
+
+
+def test_a_member_that_never_joins_the_new_group_costs_the_bound_not_a_hang(tcp):
+    """The survivors form the next generation's group with a spare that died on its way (or any
+    member that never comes): joining it fails after parallel.recovery_timeout_s, and the survivor
+    falls back (its rescue of the same boundary). A process of its own: the group is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time, torch.distributed as dist\n"
+        "from datetime import timedelta\n"
+        "from goodput.parallel import join_generation\n"
+        f"base = dist.TCPStore('127.0.0.1', {tcp.port}, None, False, timeout=timedelta(seconds=30))\n"
+        "store = dist.PrefixStore('goodput/restart0/spares/gen1/pg/', base)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    join_generation(store, 0, 2, 0, 2.0, 60.0)\n"
+        "except Exception as e:\n"
+        "    print('failed after %.1f s: %s' % (time.monotonic() - t0, type(e).__name__))\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    took = float(p.stdout.split("failed after ")[1].split(" s")[0])
+    assert 1.5 <= took < 10.0
