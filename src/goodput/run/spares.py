@@ -433,7 +433,7 @@ class Member:
             t.loader.keep_last = True
             # a stand-in of one micro-batch: its first forward and backward (allocations, kernels
             # picked) are not paid by the first step it takes part in
-            size, per_rank = t.loader.dataset.image_size, c.trainer.global_batch_size // self.world
+            size, per_rank = t.loader.dataset.image_size, t.loader.order.global_batch_size // self.world
             x = torch.zeros(max(2, per_rank // t.step.n_micro), 3, size, size, device=d.device)
             if t.step.opts.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
