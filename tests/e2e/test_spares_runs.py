@@ -60,3 +60,32 @@ def test_kills_are_recovered_onto_spares_and_what_does_not_fit_restarts_all_to_t
     run = s["mlflow_run_id"]
     assert len(client.get_metric_history(run, "recovery/total_seconds")) == 4  # restarts and in-process
     assert client.get_run(run).data.tags["recovery.2.replaced"] == f"rank 1 by spare {spared[1]['spare']}"
+
+
+def test_a_preemption_notice_still_checkpoints_and_exits_0_with_spares(tmp_path):
+    """SIGTERM to the job's process group (as a scheduler sends it) while a spare waits: the ranks
+    commit the step they stand at and exit 0, the spare exits 0, every host returns (none is taken
+    for a failed worker): the job exits 0 and says where it stopped."""
+    import os
+    import signal
+    import time
+
+    from helpers import start_train, train_cmd
+
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        p = start_train(train_cmd(tmp_path, *BASE, "parallel.spares=1"), out)
+        try:
+            deadline = time.monotonic() + 240
+            while "ready in" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(2.0)  # a few steps on
+            os.killpg(p.pid, signal.SIGTERM)
+            assert p.wait(120) == 0, log.read_text()[-4000:]
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "received SIGTERM: checkpointed step" in text
+    assert "SIGTERM while waiting: exiting" in text  # the spare
+    assert "stopped by SIGTERM at step" in text
