@@ -1,9 +1,10 @@
 """parallel.spares through the entry point and the elastic agent (goodput.run.spares): rank 1 of a
 2-rank DDP job killed twice, once between steps and once between the micro-steps of a step, each
 time replaced by a warm spare without a restart, ends bit for bit on the uninterrupted run's model
-and sample order; what does not fit (a rank's own error, a kill inside a save, a hang) takes the
-rescue and restart path as without spares, and ends there too. The decisions, their bounds and a
-waiting spare's CPU: unit/test_spares.py."""
+and sample order; what does not fit (a rank's own error, a kill inside a save) takes the rescue and
+restart path as without spares, in the same run, and ends there too; a preemption notice still
+commits and exits 0. The decisions (a hang's exit status takes the own error's path), their bounds
+and a waiting spare's CPU: unit/test_spares.py."""
 
 from __future__ import annotations
 
