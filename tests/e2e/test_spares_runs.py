@@ -3,8 +3,8 @@
 time replaced by a warm spare without a restart, ends bit for bit on the uninterrupted run's model
 and sample order; what does not fit (a rank's own error, a kill inside a save) takes the rescue and
 restart path as without spares, in the same run, and ends there too; a preemption notice still
-commits and exits 0. The decisions (a hang's exit status takes the own error's path), their bounds
-and a waiting spare's CPU: unit/test_spares.py."""
+commits and exits 0 (a rank ended as hung exits 124: the host's branch of the own error's exit 1).
+The decisions, their bounds and a waiting spare's CPU: unit/test_spares.py."""
 
 from __future__ import annotations
 
