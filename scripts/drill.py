@@ -7,6 +7,7 @@ python scripts/drill.py --preset mtbf60   # a failure every ~60 s over a >= 10 m
 python scripts/drill.py --preset rescue   # 2 x 26 kills of one rank of 2, checkpoints every 100 steps:
                                           # with rescues (rank 1, then rank 0 killed) and without
 python scripts/drill.py --preset rescue60 # the same at a failure a minute: goodput against the clean run
+python scripts/drill.py --preset spare60  # the same onto a warm spare (parallel.spares=1), beside rescue60
 python scripts/drill.py --kills 0 --hang collective@30 --hang-rank 1 -- parallel=ddp   # a hang, no kills
 python scripts/drill.py --mtbf 60 --kills 3 --hang-mtbf 60 --hangs 2 --hang-rank 1 -- parallel=ddp  # both
 python scripts/drill.py --preset rescue60 --cpu   # also: CPU seconds per restart by process role
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -75,6 +77,20 @@ PRESETS = {  # a realistic ratio: failures every ~60 s, restarts cheap enough th
         "mtbf": 60.0,
         "kills": 12,
         "variants": {k: v for k, v in RESCUE.items() if "rank 0" not in k},
+        "overrides": [
+            "parallel=ddp",
+            "checkpoint=dcp_async",
+            "checkpoint.every_n_steps=100",
+            "trainer.max_steps=3000",
+        ],
+    },
+    "spare60": {  # rescue60 with a warm spare: the survivors keep their processes, no restart
+        "mtbf": 60.0,
+        "kills": 12,
+        "variants": {
+            "spare, rank 1 killed": ["fault.rank=1", "parallel.spares=1"],
+            "rescue, rank 1 killed": ["fault.rank=1"],
+        },
         "overrides": [
             "parallel=ddp",
             "checkpoint=dcp_async",
@@ -251,6 +267,9 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         "same_model": None if clean is None else s["model_sha256"] == clean["model_sha256"],
         "restart_s": restart_cost(s),
         "rescued": s.get("rescues", {}).get("count", 0),
+        "in_process": (s.get("recovery") or {}).get("in_process", 0),  # onto a spare (parallel.spares)
+        # failure -> first productive step, over the run's failures: median and p95 (nearest rank)
+        **recovery_spread(s),
         # per restart: the steps the failed attempt had finished that the restart redid
         "max_lost_per_failure": max((r.get("lost_steps", 0) for r in per_restart(s)), default=None),
         "vs_clean": None if clean is None else round(g["goodput"] / clean["goodput"]["goodput"], 4),
@@ -259,6 +278,15 @@ def row(label: str, s: dict, clean: dict | None) -> dict:
         "steady_step_s": None if s.get("steady_step_s") is None else round(s["steady_step_s"], 5),
         **(steady_cost(s, clean) if clean is not None else dict.fromkeys(STEADY)),
     }
+
+
+def recovery_spread(s: dict) -> dict:
+    """Median and p95 (nearest rank) of the seconds from a failure to the first productive step."""
+    totals = sorted(r["total_seconds"] for r in per_restart(s) if r.get("total_seconds") is not None)
+    if not totals:
+        return {"recovery_p50_s": None, "recovery_p95_s": None}
+    return {"recovery_p50_s": round(statistics.median(totals), 3),
+            "recovery_p95_s": round(totals[math.ceil(0.95 * len(totals)) - 1], 3)}  # fmt: skip
 
 
 def per_restart(s: dict) -> list[dict]:
@@ -307,8 +335,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=str(REPO / "outputs" / "drill"), help="paths.root for the drill runs")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench"))
-    p.add_argument("--mtbf", type=float, default=20.0, help="mean seconds between kills")
-    p.add_argument("--kills", type=int, default=2, help="at most this many kills per faulty run")
+    p.add_argument("--mtbf", type=float, help="mean seconds between kills (default 20, or the preset's)")
+    p.add_argument("--kills", type=int, help="most kills per faulty run (default 2, or the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill times (repeatable drills)")
     p.add_argument(
         "--compare", action="store_true", help="faulty runs for torch_save@50, dcp_sync@10, dcp_async@10"
@@ -341,10 +369,12 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     a = p.parse_args()
     variants = COMPARE if a.compare else {"faulty": []}
-    if a.preset:  # the preset's values; overrides given after -- still win
-        pre = PRESETS[a.preset]
-        a.mtbf, a.kills, a.overrides = pre["mtbf"], pre["kills"], [*pre["overrides"], *a.overrides]
-        variants = pre.get("variants", variants)
+    pre = PRESETS[a.preset] if a.preset else {"mtbf": 20.0, "kills": 2, "overrides": []}
+    # the preset's values; --mtbf, --kills and the overrides given after -- still win
+    a.mtbf = pre["mtbf"] if a.mtbf is None else a.mtbf
+    a.kills = pre["kills"] if a.kills is None else a.kills
+    a.overrides = [*pre["overrides"], *a.overrides]
+    variants = pre.get("variants", variants)
     if a.only is not None:
         variants = {k: v for k, v in variants.items() if k.startswith(a.only)}
         if not variants:
@@ -376,8 +406,9 @@ def main() -> None:
     # The first run under a root pays one-time costs that would count in its wall time: demo data
     # generation, MLflow database creation, cold file caches. A one-step warm-up pays them, so the
     # clean and the faulty runs start alike (without it, cheap restarts made faulty beat clean).
+    # Longer than the demo's LR warm-up (20 steps), which a run of one step would be refused for.
     print("warm-up run (data, MLflow database, file caches) ...", flush=True)
-    run(a.root, f"drill-{tag}/warmup", [*a.overrides, "trainer.max_steps=1", f"seed={a.seed}"])
+    run(a.root, f"drill-{tag}/warmup", [*a.overrides, "trainer.max_steps=25", f"seed={a.seed}"])
     rows, phases, recovery, lost, cpu = [], [], {}, {}, {}
     for k in range(1, a.repeat + 1):
         n = f" #{k}" if a.repeat > 1 else ""  # a round's labels and run names

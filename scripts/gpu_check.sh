@@ -16,6 +16,9 @@
 #                -> the survivors' rescue of step 10 -> == the uninterrupted run; SKIP with fewer GPUs
 #   recipe       the V2 recipe's parts (MixUp/CutMix, TrivialAugmentWide, ...) killed and resumed by
 #                scripts/check.py == the uninterrupted run; syncbn: the same on 2 GPUs with SyncBatchNorm
+#   spares       3 GPUs: parallel.spares=1 on 2 NCCL ranks, rank 1 killed at step 12 -> a spare takes its
+#                place without a restart (NCCL communicator aborted, CUDA context kept) -> == the
+#                uninterrupted run; SKIP with fewer GPUs
 #   bench        scripts/bench_step.py: images/s per switch (resnet18 on GPU), compile restart cold vs warm
 #
 # Without CUDA it says so and runs what a CPU can (the entry-point checks, gloo); the CUDA-only ones
@@ -244,6 +247,31 @@ if [ "$CUDA" = 1 ] && [ "${NGPU:-0}" -ge 2 ]; then
   else line FAIL syncbn "$(grep '^check:' "$OUT/syncbn.log" | tail -2 | tr '\n' ' ') (see $OUT/syncbn.log)"; fi
 else
   line SKIP syncbn "trainer.sync_batchnorm needs 2 GPUs (torch's SyncBatchNorm is CUDA only), this machine has ${NGPU:-0}"
+fi
+
+# -- spares (needs 3 GPUs: 2 NCCL ranks and a spare on the third) --------------------------------------
+if [ "${NGPU:-0}" -ge 3 ]; then
+  spare=(parallel=ddp checkpoint=dcp_sync checkpoint.every_n_steps=20 trainer.max_steps=30
+         fault.slow_rank=0 fault.slow_seconds=0.2)
+  train spare_ref "${spare[@]}"
+  rc_ref=$?
+  # rank 1 killed after step 12: rank 0's watcher aborts its NCCL communicator (a collective with a
+  # dead NCCL peer waits), the spare on GPU 2 takes rank 1's place, the state crosses over gloo
+  train spare_kill "${spare[@]}" parallel.spares=1 fault.kill_at_step=12 fault.rank=1
+  rc_kill=$?
+  if [ $rc_ref -ne 0 ] || [ $rc_kill -ne 0 ]; then
+    line FAIL spares "exits: uninterrupted $rc_ref, killed $rc_kill; see $OUT/spare_*.log"
+  else
+    a=$(summary spare_ref "s['model_sha256']")
+    b=$(summary spare_kill "s['model_sha256']")
+    n=$(summary spare_kill "s['recovery'].get('in_process', 0)")
+    t=$(summary spare_kill "[r.get('total_seconds') for r in s['recovery']['per_restart']]")
+    if [ "$a" = "$b" ] && [ "$n" = 1 ]; then
+      line PASS spares "rank 1 killed, a spare took its place in-process ($t s), model_sha256 ${a:0:12} == uninterrupted"
+    else line FAIL spares "in-process recoveries $n (1 expected), model_sha256 ${b:0:12} vs uninterrupted ${a:0:12}"; fi
+  fi
+else
+  line SKIP spares "needs 3 GPUs (2 ranks and a spare), this machine has ${NGPU:-0}; CPU drills: tests/e2e/test_spares_runs.py"
 fi
 
 # -- bench ------------------------------------------------------------------------------------------

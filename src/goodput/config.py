@@ -452,6 +452,16 @@ def validate(c: dict) -> Config:
             f"parallel.strategy {name} runs one process, but the world size is {world}: "
             "use parallel=ddp or fsdp"
         )
+    if par.get("spares") and not ck["rescue"]:
+        errors.append(
+            f"parallel.spares={par['spares']} needs checkpoint.rescue=true: the state a spare receives is "
+            "the step boundary the rescue notes"
+        )
+    if par.get("spares") and (strategy is not None and not strategy.distributed or world <= 1):
+        errors.append(
+            f"parallel.spares={par['spares']} with parallel.strategy {name} on {world} process(es): a spare "
+            "takes a dead rank's place among survivors; use parallel=ddp with parallel.nproc_per_node >= 2"
+        )
     if isinstance(gbs, int) and gbs > 0 and world >= 1 and gbs % world:
         errors.append(f"trainer.global_batch_size={gbs} is not divisible by the world size {world}")
     else:

@@ -171,6 +171,8 @@ TABLE: list[tuple[str, bool, str]] = [
     ("parallel.rdzv_timeout_s", False, "a timeout"),
     ("parallel.init_timeout_s", False, "a timeout"),
     ("parallel.collective_timeout_s", False, "a timeout"),
+    ("parallel.spares", False, "fault tolerance"),
+    ("parallel.recovery_timeout_s", False, "a timeout"),
     # fault
     *[
         (f"fault.{k}", False, "a fault drill")

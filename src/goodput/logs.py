@@ -41,15 +41,15 @@ class Formatter(logging.Formatter):
         return super().format(record)
 
 
-def setup(rank: int | None = None, run_dir: str | None = None) -> None:
+def setup(rank: int | str | None = None, run_dir: str | None = None) -> None:
     """This process prints in FORMAT: the root logger's handlers (Hydra's console and file handlers in
     the job process; a stderr handler in an elastic worker, which has none) get Formatter, MLflow's
     loggers propagate to them, and warnings are logged as one line each. `rank`: from now on lines
     say `rank<N>`; rank 0 of an elastic worker group also appends to `<run_dir>/train.log` (unless
     a handler of this process writes it already: Hydra's, under torchrun). Idempotent."""
     global _who
-    if rank is not None:
-        _who = f"rank{rank}"
+    if rank is not None:  # (a str: the process's own name, as a spare's `spare<n>`)
+        _who = rank if isinstance(rank, str) else f"rank{rank}"
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))

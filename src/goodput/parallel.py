@@ -75,8 +75,8 @@ def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Di
         dist.init_process_group(
             backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world, timeout=timeout
         )
-    else:
-        rank, world, local_rank = 0, 1, 0
+    else:  # (a spare of parallel.spares: on the device its host set, goodput.run.spares)
+        rank, world, local_rank = 0, 1, torch.cuda.current_device() if cuda else 0
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -92,6 +92,36 @@ def set_collective_timeout(seconds: float) -> None:
     import torch.distributed as dist
 
     dist.set_timeout(timedelta(seconds=seconds))
+
+
+def join_generation(
+    store, rank: int, world: int, local_rank: int, timeout_s: float, init_timeout_s: float
+) -> Dist:
+    """Leave this process's groups and form the next generation's (in-process recovery onto a
+    spare, goodput.run.spares): a fresh default group on `store` (a prefix of the job's store that
+    names the generation, so no key of an earlier one is read) and a fresh checkpoint group. Every
+    collective on the new groups is bounded by `timeout_s` until the first step after it
+    (set_collective_timeout shortens it then); the checkpoint group keeps `init_timeout_s`.
+
+    The old groups are left without waiting: gloo has no communicator to abort (its collectives
+    with a dead peer have already failed: its socket closed), NCCL's is aborted (the CUDA context
+    stays). `destroy_process_group` also resets torch's group counter, so the new generation's
+    checkpoint group gets the same name on every member, old or new."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if dist.is_initialized():
+        if cuda:  # a collective with a dead NCCL peer never ends: abort it (not written for gloo)
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=init_timeout_s))
+    return Dist(rank, world, local_rank, device, ckpt_pg, init_timeout_s)
 
 
 def flight_recorder_env(trace_dir: str) -> None:
@@ -175,6 +205,20 @@ class Single:
 
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
+    # -- in-process recovery onto a spare (parallel.spares, goodput.run.spares) ------------------
+    recovers_in_process = True
+    """Whether every rank holds the whole state, so that one survivor can hand it to a spare that
+    takes a dead rank's place, and the wrapper can move to the next generation's process group."""
+
+    def regroup(self, model: nn.Module) -> None:
+        """The job's process groups were made again (a spare took a dead rank's place): point what
+        `wrap` built at the new default group. Nothing is wrapped here."""
+
+    def ready_spare(self, model: nn.Module, forward) -> None:
+        """On a spare, before it waits (its process group: itself alone): whatever the wrapper
+        settles in its first steps, settled now the way the ranks settled it. `forward()` runs the
+        model on a stand-in batch and returns its output."""
+
     def layout_errors(self, world: int, local_world: int) -> list[str]:
         """What keeps this strategy from running `world` ranks, `local_world` of them per node:
         one message per problem, naming the key (goodput.config.validate, before any work)."""
@@ -210,6 +254,34 @@ class DDP(Single):
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
+    def regroup(self, model: nn.Module) -> None:
+        # The same wrapper and reducer on the new group: the reducer's state (a backward cut short
+        # by the failure) is reset, its gradient buckets kept (see ready_spare).
+        import torch.distributed as dist
+
+        model._update_process_group(dist.group.WORLD)
+
+    def ready_spare(self, model: nn.Module, forward) -> None:
+        """DDP lays its gradient buckets out anew after the first backward, in the order the
+        gradients became ready; the ranks did that at their first step. A spare's reducer must hold
+        the same layout when it joins (each bucket is all-reduced as one buffer: different layouts
+        mix up parameters, or abort on a size mismatch), so it runs one forward and backward and the
+        next forward (which rebuilds the buckets) on its own one-rank group now. What it changed
+        (gradients, BatchNorm statistics) is overwritten by the state it receives."""
+        _sum(forward()).backward()
+        forward()
+        model.zero_grad(set_to_none=True)
+
+
+def _sum(out):
+    """One scalar from a model's output (a tensor, or a structure of them)."""
+    import torch
+
+    if torch.is_tensor(out):
+        return out.float().sum()
+    items = out.values() if isinstance(out, dict) else out
+    return sum(_sum(o) for o in items)
+
 
 class FSDP(Single):
     """FSDP2: fully_shard each block, then the root. Mixed precision is FSDP's: parameters are
@@ -217,6 +289,8 @@ class FSDP(Single):
 
     distributed = True
     shards_parameters = True
+    recovers_in_process = False  # a dead rank's shard exists nowhere else (HSDP: its replica's
+    # copy does, but its DTensors are bound to the device mesh's groups; not done: it falls back)
     _mesh = None  # built once (model and EMA share it): see device_mesh
 
     def device_mesh(self, d: Dist):
@@ -415,6 +489,20 @@ class ParallelConfig:
     slowest step and evaluation, or a slow one is cut; shorter than trainer.hang_timeout_s makes
     the collective the first to notice a hung peer."""
 
+    spares: int = 0
+    """Warm spare processes per node beside the ranks (they do not count in nproc_per_node). A
+    spare builds the model, optimizer and loader, then waits without using the CPU; when a rank is
+    killed, the survivors keep their processes, a spare takes its place in a new process group and
+    one survivor sends it the state of the last finished step (goodput.run.spares, docs/parallelism.md).
+    What does not fit (no spare left, two ranks lost at once, a failure inside a save or an
+    evaluation, a hang, a sharded strategy) goes the way it goes with 0: a rescue and a restart.
+    0 = no spares."""
+
+    recovery_timeout_s: float = 30.0
+    """Bound on each phase of an in-process recovery (parallel.spares): the survivors' reports and
+    the decision, the new group, the state sent to the spare. Past it the recovery falls back to a
+    rescue and a restart."""
+
     def __post_init__(self):
         e = []
         if not (isinstance(self.strategy, dict) and "_target_" in self.strategy):
@@ -423,9 +511,11 @@ class ParallelConfig:
             e.append(f"parallel.nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:
             e.append(f"parallel.max_restarts must be >= 0, got {self.max_restarts}")
+        if isinstance(self.spares, bool) or self.spares < 0:
+            e.append(f"parallel.spares must be an int >= 0, got {self.spares!r}")
         if self.rdzv_timeout_s <= 0:
             e.append(f"parallel.rdzv_timeout_s must be > 0, got {self.rdzv_timeout_s}")
-        for key in ("init_timeout_s", "collective_timeout_s"):
+        for key in ("init_timeout_s", "collective_timeout_s", "recovery_timeout_s"):
             if getattr(self, key) <= 0:
                 e.append(f"parallel.{key} must be > 0, got {getattr(self, key)}")
         if e:

@@ -1,5 +1,5 @@
 """What a finished run measured, for `advise`: its save stall, commit delay, restart cost, step time
-and how often a restart resumed from a rescue checkpoint."""
+and how often a restart resumed from a rescue checkpoint (or a spare took the dead rank's place)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,29 @@ def attempts(run: str) -> list[dict]:
     return sorted(out, key=lambda r: r["attempt"])
 
 
-def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()) -> dict[str, float | str]:
+def in_process(run: str) -> list[dict]:
+    """The in-process recoveries onto a spare beside a run's checkpoints (parallel.spares; none for a
+    bare run id), each checked; a malformed one is left out (the trainer moves it aside)."""
+    if not _is_dir(run):
+        return []
+    from goodput.resilience.spares import _RECORD, RECORDS, check_record
+    from goodput.storage.remote import Storage
+    from goodput.untrusted import RecordError
+
+    store, out = Storage(run), []
+    for name in sorted(store.ls(RECORDS)):
+        if _RECORD.fullmatch(name) is None:
+            continue
+        try:
+            out.append(check_record(store.read_bytes(f"{RECORDS}/{name}"), name))
+        except (FileNotFoundError, RecordError):
+            continue
+    return out
+
+
+def restart_cost(
+    metrics: dict[str, float], steps: int, records: list[dict] = (), spared: list[dict] = ()
+) -> dict[str, float | str]:
     """Seconds from a failure until training resumes, and where the number comes from.
 
     From the ledger (`goodput/*` metrics): with restarts, (lost_seconds - lost_steps x mean productive
@@ -55,7 +77,9 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
     the watchdog ended it (`goodput/hung_seconds`: the measured detection time) counts in the restart
     cost: it is lost to the failure as much as the restart itself. When the attempt records are
     at hand (RUN given as a checkpoint dir), the restart cost is measured directly instead: from the
-    crashed attempt's last heartbeat to the moment the next attempt was ready to train (after its restore).
+    crashed attempt's last heartbeat to the moment the next attempt was ready to train (after its restore),
+    and for each in-process recovery onto a spare (`spared`: parallel.spares) its record's failure to
+    first step. The ledger's restarts count both kinds.
     """
     restarts = int(metrics.get("goodput/restarts", 0))
     hung = metrics.get("goodput/hung_seconds", 0.0)
@@ -78,29 +102,41 @@ def restart_cost(metrics: dict[str, float], steps: int, records: list[dict] = ()
         for a, b in zip(records, records[1:])
         if "last_seen" in a
     ]
-    if gaps:
-        out["restart_seconds_attempts"] = out["restart_seconds"] = sum(gaps) / len(gaps)
+    spare_gaps = [r["total_seconds"] for r in spared if r.get("total_seconds")]
+    if gaps or spare_gaps:
+        out["restart_seconds_attempts"] = out["restart_seconds"] = sum(gaps + spare_gaps) / len(
+            gaps + spare_gaps
+        )
         out["restart_source"] = f"attempt records: last heartbeat to the next attempt's start ({len(gaps)})"
+        if spare_gaps:
+            out["restart_source"] += (
+                f", in-process recoveries onto a spare: failure to first step ({len(spare_gaps)})"
+            )
     else:
         out.update(restart_seconds=ledger, restart_source=source)
     return out
 
 
-def rescued(run: str, records: list[dict]) -> dict[str, float | int | str]:
+def rescued(run: str, records: list[dict], spared: list[dict] = ()) -> dict[str, float | int | str]:
     """The share of restarts that resumed from a rescue checkpoint, from the attempt records'
     `resumed_kind`: restarts are the attempts after the first (number 0: a record moved aside keeps its
     number taken, so the count cannot shift). A restart saying nothing (an older record, or one with no
-    checkpoint to resume) counts as not rescued. No records or no restarts: 0, and the source says so."""
+    checkpoint to resume) counts as not rescued. An in-process recovery onto a spare (`spared`) loses
+    the step in flight as a rescue does: it counts as one. No records or no restarts: 0, and the
+    source says so."""
     restarts = [r for r in records if r["attempt"] > 0]
     n = sum(r.get("resumed_kind") == "rescue" for r in restarts)
+    failures = len(restarts) + len(spared)
     if not _is_dir(run):
         source = "no attempt records (RUN is a run id, not its checkpoint dir): 0 assumed"
-    elif not restarts:
+    elif not failures:
         source = "attempt records: no restarts, 0 assumed"
     else:
         source = f"attempt records: {n} of {len(restarts)} restarts resumed from a rescue checkpoint"
-    p = n / len(restarts) if restarts else 0.0
-    return {"rescue_probability": p, "rescue_restarts": len(restarts), "rescue_source": source}
+        if spared:
+            source += f", and {len(spared)} in-process recoveries onto a spare lost only the step in flight"
+    p = (n + len(spared)) / failures if failures else 0.0
+    return {"rescue_probability": p, "rescue_restarts": failures, "rescue_source": source}
 
 
 def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
@@ -126,7 +162,7 @@ def measured(run: str, tracking_uri: str) -> dict[str, float | str]:
     # The ledger is logged once at the end, at the step count the run reached.
     steps = max(m.step for m in client.get_metric_history(rid, "goodput/productive_seconds"))
     step_s = metrics.get("goodput/productive_seconds", 0.0) / steps if steps > 0 else None
-    records = attempts(run)
+    records, spared = attempts(run), in_process(run)
     return {"run_id": rid, "save_stall_seconds": stall, "commit_delay_seconds": commit, "steps": steps,
-            "productive_step_seconds": step_s, **restart_cost(metrics, steps, records),
-            **rescued(run, records)}  # fmt: skip
+            "productive_step_seconds": step_s, **restart_cost(metrics, steps, records, spared),
+            **rescued(run, records, spared)}  # fmt: skip

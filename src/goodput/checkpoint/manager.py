@@ -92,6 +92,7 @@ class CheckpointManager:
         self.phase = _no_phase  # a save is a phase of its own for the hang watchdog (its phase())
         self.commit_info = commit_info or {}
         self._pending = None  # (step, Pending, thread)
+        self._saving = False  # inside save()
         self._bg_error: BaseException | None = None
         self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
@@ -142,7 +143,16 @@ class CheckpointManager:
         """Start a checkpoint of `step`; returns the seconds the loop was blocked (waiting for the
         previous upload included): a known long phase, with the watchdog's phase bound."""
         with self.phase(f"checkpoint save of step {step}"):
-            return self._save(step, app, extra)
+            self._saving = True
+            try:
+                return self._save(step, app, extra)
+            finally:
+                self._saving = False
+
+    def saving(self) -> bool:
+        """A save is under way: this rank is inside one, or an async one has not committed yet (its
+        commit needs every rank's part: an in-process recovery must not go on past it)."""
+        return self._saving or (self._pending is not None and self._pending[2].is_alive())
 
     def _save(self, step: int, app: AppState, extra: dict | None) -> float:
         t0 = time.perf_counter()

@@ -152,6 +152,30 @@ class Rescue:
         with self._lock:
             self.step = None
 
+    # -- an in-process recovery's side (goodput.run.spares): the same boundary, kept live ---------
+    def noted(self) -> tuple[int | None, str | None]:
+        """(the step whose boundary the state stands at, None), or (None, why it stands at none):
+        what a survivor reports before a spare may take a dead peer's place."""
+        with self._lock:
+            if not self.enabled:
+                return None, "checkpoint.rescue=false: no step boundary is noted"
+            if self.step is None:
+                return None, "inside an optimizer update"
+            if not self._evaluated:
+                return None, f"before the evaluation of step {self.step} was done"
+            return self.step, None
+
+    def rewind(self) -> None:
+        """Put back what the step in flight changed since the boundary: the run's parts (the
+        loader's position first) and the model's buffers. The parameters, the optimizer and the
+        EMA have not moved: the update had not begun (`noted`)."""
+        with self._lock:
+            for k, sd in self._parts.items():
+                self.app.parts[k].load_state_dict(sd)
+            with torch.no_grad():
+                for key, b in self._named_buffers():
+                    b.copy_(self._buffers[key])
+
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(state-dict key, live buffer) of the model; the key mapping is worked out once."""
         if self._keys is None:

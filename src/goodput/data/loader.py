@@ -128,6 +128,12 @@ class QuietWorkersLoader(DataLoader):
         with signals_blocked(), frozen_for_fork():
             return _PlainErrors(super().__iter__(), self._release)
 
+    def resume(self):
+        """A new pass over the batches on the workers already running (persistent: none is forked,
+        so nothing is frozen for a fork, and the next collection walks no heap that unfreezing
+        would have put back in its reach)."""
+        return _PlainErrors(super().__iter__(), self._release)
+
     def _release(self) -> None:
         if isinstance(self.collate_fn, FirstBatchFirst):  # workers waiting for a batch that will not come
             self.collate_fn.release()
@@ -240,7 +246,34 @@ def die_with_parent(worker_id: int) -> None:
         os._exit(1)
 
 
+class _Parked:
+    """A batch sampler with no position yet (ResumableLoader.park): empty until `inner` is set.
+    Its first batch comes as `split` chunks, one per worker: they make it together, where one
+    worker would make it alone while the others make the next ones (the loader merges them)."""
+
+    inner = None
+    split = 1
+
+    def __iter__(self):
+        return self._chunked(iter(self.inner)) if self.inner is not None else iter(())
+
+    def _chunked(self, it):
+        first = next(it, None)
+        if first is None:
+            return
+        n = len(first)
+        yield from (first[i * n // self.split : (i + 1) * n // self.split] for i in range(self.split))
+        yield from it
+
+    def __len__(self) -> int:
+        return len(self.inner) if self.inner is not None else 0
+
+
 class ResumableLoader:
+    keep_last = False
+    """Keep a copy of the newest batch, so that a load of the state one step back delivers it
+    again without restarting the workers (an in-process recovery: goodput.run.spares)."""
+
     def __init__(
         self,
         cfg: DataConfig,
@@ -274,6 +307,10 @@ class ResumableLoader:
         self._delivered = None  # the newest batch's indices, being gathered from every rank
         self._dl = self._it = None
         self._it_step = 0
+        self._parked = None  # a spare's sampler, its position unset (park)
+        self._chunks = 1  # the next batch comes in this many chunks (a parked loader's first)
+        self._last = self._again = None  # (step, batch): the newest delivery, and one to deliver again
+        self.first_delivery: float | None = None  # when the first batch was delivered (time.time())
         self.io = {
             "data/cache_hits": 0,
             "data/cache_misses": 0,
@@ -297,8 +334,26 @@ class ResumableLoader:
         if self._it is None and 0 <= step < self.max_steps:
             self._start(step)
 
+    def park(self) -> None:
+        """A spare's loader (goodput.run.spares): fork the workers now, with no position yet; the
+        first `start_at` gives them the rank and step. They wait on their queues meanwhile."""
+        if self._it is None and self.cfg.num_workers > 0:
+            self._parked = _Parked()
+            g = torch.Generator().manual_seed(self.seed)
+            kw = make_loader_kwargs(self.cfg.num_workers, self.cfg.prefetch_factor, self.device)
+            self._dl = QuietWorkersLoader(self.dataset, batch_sampler=self._parked, generator=g, **kw)
+            iter(self._dl)  # forks the workers; nothing to fetch
+
     def _start(self, step: int) -> None:
         sampler = StepBatchSampler(self.order, self.rank, self.world, step, self.max_steps)
+        if self._parked is not None:  # the parked workers get their position: no fork
+            per_rank = self.order.global_batch_size // self.world
+            self._parked.split = self._chunks = max(1, min(self.cfg.num_workers, per_rank))
+            self._parked.inner, self._parked = sampler, None
+            self._it, self._it_step = self._dl.resume(), step
+            self._prefetched_until = step
+            self._prefetch(step)
+            return
         # A private generator: creating the iterator draws a base seed, and drawing it from the global
         # RNG would shift every later draw of a resumed run (dropout, for one) by one.
         g = torch.Generator().manual_seed(self.seed)
@@ -329,20 +384,32 @@ class ResumableLoader:
     def __next__(self) -> dict:
         if self.step >= self.max_steps:
             raise StopIteration
-        if self._it is not None and self._it_step != self.step:  # started ahead at another step
-            self._drop_iterator()
-        if self._it is None:
-            self._start(self.step)
-        batch = next(self._it)
-        self._it_step += 1
+        again, self._again = self._again, None
+        if again is not None and again[0] == self.step:  # rewound by one step (rewind): the same batch
+            batch = again[1]
+        else:
+            if self._it is not None and self._it_step != self.step:  # started ahead at another step
+                self._drop_iterator()
+            if self._it is None:
+                self._start(self.step)
+            batch = next(self._it)
+            if self._chunks > 1:  # a parked loader's first batch, made by every worker (_Parked)
+                batch = _merged([batch, *(next(self._it) for _ in range(self._chunks - 1))])
+                self._chunks = 1
+            self._it_step += 1
+            if self.keep_last:
+                kept = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+                self._last = (self.step, kept)
+            self.io["data/cache_hits"] += int(batch["hit"].sum())
+            self.io["data/cache_misses"] += int((1 - batch["hit"]).sum())
+            self.io["data/bytes_fetched"] += int(batch["bytes"].sum())
+            self.io["data/bad_samples"] += int((1 - batch["ok"]).sum())
+        if self.first_delivery is None:
+            self.first_delivery = time.time()
         # Count what was delivered: this step is consumed only now, and the hash chain takes the
         # indices the batch carries (gathered from every rank while the step computes).
         self._settle()
         self._delivered = _gather_indices(batch["index"], self.world)
-        self.io["data/cache_hits"] += int(batch["hit"].sum())
-        self.io["data/cache_misses"] += int((1 - batch["hit"]).sum())
-        self.io["data/bytes_fetched"] += int(batch["bytes"].sum())
-        self.io["data/bad_samples"] += int((1 - batch["ok"]).sum())
         self.step += 1
         self._prefetch(self.step)
         return batch
@@ -427,9 +494,20 @@ class ResumableLoader:
             )
         self.step = sd["step"]
         self._chain, self._delivered = OrderHash(sd["sample_order_sha256"]), None
+        # one step back, with its batch kept (keep_last: an in-process recovery redoes the step in
+        # flight): the iterator stays, and that batch is delivered again
+        if self._last is not None and self._last[0] == self.step and self._it_step == self.step + 1:
+            self._again = self._last
         # an iterator started ahead (start_at) is kept only if its next batch is this step's
-        if self._it is not None and self._it_step != self.step:
+        elif self._it is not None and self._it_step != self.step:
             self._drop_iterator()
+
+
+def _merged(chunks: list[dict]) -> dict:
+    """One batch from consecutive chunks of it: what default_collate would have made of all its
+    samples at once (tensors stacked per sample, so concatenated per chunk)."""
+    return {k: torch.cat([c[k] for c in chunks]) if torch.is_tensor(v) else [x for c in chunks for x in c[k]]
+            for k, v in chunks[0].items()}  # fmt: skip
 
 
 def _gather_indices(mine: torch.Tensor, world: int):
@@ -463,6 +541,15 @@ def eval_loader(
     eval_tf = augmentation.build(augment, cfg.train_crop_size, cfg.val_resize_size, cfg.val_crop_size)[1]
     ds = ImageDataset(source, files, cfg.val_crop_size, 0, False, cfg.on_bad_sample, eval_tf)
     ds.resize_size = cfg.val_resize_size  # the view's resize, for the model record
+    return eval_loader_of(ds, cfg, batch_size, rank, world, device)
+
+
+def eval_loader_of(
+    ds: ImageDataset, cfg: DataConfig, batch_size: int, rank: int, world: int, device
+) -> DataLoader:
+    """The loader of rank `rank`'s share of an evaluation dataset (eval_loader's, or another rank's
+    dataset for a spare that took a rank's place: no second listing)."""
+    files = ds.files
     per_rank = -(-len(files) // world)
     idx = list(range(rank, len(files), world))
     idx += [-1] * (per_rank - len(idx))

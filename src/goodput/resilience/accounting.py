@@ -117,7 +117,9 @@ class Ledger:
         self.resumed_from = list(sd["resumed_from"])
         self.attempt = int(sd.get("attempt", -1))  # (absent in checkpoints of earlier versions)
 
-    def report(self, restarts: int, lost_steps: int = 0, now: float | None = None) -> dict:
+    def report(
+        self, restarts: int, lost_steps: int = 0, in_process: int = 0, now: float | None = None
+    ) -> dict:
         wall = (now or time.time()) - self.run_start
         accounted = sum(self.totals.values())
         out = {f"{c}_seconds": round(v, 4) for c, v in self.totals.items()}
@@ -128,6 +130,8 @@ class Ledger:
             restarts=restarts,
             lost_steps=lost_steps,
         )
+        if in_process:  # of the restarts, in-process recoveries onto a spare (parallel.spares)
+            out["in_process_recoveries"] = in_process
         return out
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from goodput.resilience.accounting import Attempts, Ledger, Rescues, rescue_seconds, summarize_rescues
 from goodput.resilience.recovery import Recovery, agent_phases, failure_time, restart_round, summarize
+from goodput.resilience.spares import Recoveries
 from goodput.resilience.watchdog import hung_seconds
 from goodput.storage.remote import Storage
 
@@ -46,6 +47,9 @@ class Goodput:
         self.tracker, self.faults, self.compile_paid = tracker, faults, compile_paid
         self.recovery = recovery or Recovery()
         self.restarts = 0
+        self.spares = False  # parallel.spares is on: `begin` counts the in-process recoveries so far
+        self.in_process = 0  # in-process recoveries onto a spare so far, in the whole run (parallel.spares)
+        self.after_recovery = None  # called with the step after the first step that follows one
         self._found: tuple = ([], {}, [])  # rank 0: the earlier attempts, fault markers, rescues (`begin`)
 
     def add(self, category: str, seconds: float) -> None:
@@ -60,8 +64,8 @@ class Goodput:
         resumed = restored["step"] if restored else None
         if restored:
             self.ledger.resumed_from.append(restored["step"])
-        # (restarts so far, the run's first start, uncounted start-ups, hangs, rescues)
-        info = [0, t_start, 0.0, 0.0, 0.0]
+        # (restarts so far, the run's first start, uncounted start-ups, hangs, rescues, in-process recoveries)
+        info = [0, t_start, 0.0, 0.0, 0.0, 0]
         kind = restored.get("kind", "regular") if restored else None
         if self.rank == 0:
             # Kept for the recovery record at the first step: what the failed attempt left (its
@@ -76,10 +80,13 @@ class Goodput:
             restarts = self.attempts.begin(resumed, start=t_start, resumed_kind=kind)
             if kind == "rescue":  # the regular commit the restart would have used: summary's steps_saved
                 self.attempts.record["rescued_over"] = restored.get("regular_step", 0)
-            info = [restarts, min([t_start] + [a["start"] for a in previous]), uncounted, hung, rescued]
+            # (one more read of the store on a restart's path: only where there can be any)
+            recovered = len(Recoveries(self.attempts.storage).records()) if self.spares else 0
+            first_start = min([t_start] + [a["start"] for a in previous])
+            info = [restarts, first_start, uncounted, hung, rescued, recovered]
         if self.world > 1:
             dist.broadcast_object_list(info, src=0)
-        restarts, first_start, uncounted, hung, rescued = info
+        restarts, first_start, uncounted, hung, rescued, self.in_process = info
         self.restarts = restarts
         self.ledger.add("hung", hung)
         self.ledger.add("rescue", rescued)
@@ -106,9 +113,12 @@ class Goodput:
                 self.attempts.record["compile"] = paid
             if self.rank == 0 and self.attempts.record["attempt"] > 0:
                 self._record_recovery(step)
+        after, self.after_recovery = self.after_recovery, None
+        if after is not None:  # the first step after an in-process recovery (goodput.run.spares)
+            after(step)
         if self.rank == 0:
             self.attempts.beat_async(step)
-        return first
+        return first or after is not None
 
     def _record_recovery(self, step: int) -> None:
         """Rank 0, once the first step after a restart is done: the restart's phase record goes to the
@@ -143,15 +153,23 @@ class Goodput:
         summary.json's `restarts`, `resumed_from_steps`, `goodput` (the ledger's breakdown),
         `recovery` (every restart's phase record and their medians) and `compile` (per start)."""
         self.attempts.beat(steps)
-        goodput = self.ledger.report(self.restarts, self.attempts.lost_steps())
         recs = sorted(self.attempts.previous() + [self.attempts.record], key=lambda a: a["attempt"])
         per = [{"attempt": a["attempt"], **a["recovery"]} for a in recs if "recovery" in a]
+        # in-process recoveries onto a spare (parallel.spares) count as restarts too: each is a
+        # failure recovered. An attempt's restart record first, then its in-process ones.
+        spared = Recoveries(self.attempts.storage).records()
+        per = sorted(per + spared, key=lambda r: (r["attempt"], "n" in r, r.get("n", 0)))
+        goodput = self.ledger.report(self.restarts + len(spared), self.attempts.lost_steps(), len(spared))
         return {
-            "restarts": self.restarts,
+            "restarts": self.restarts + len(spared),
             "resumed_from_steps": self.ledger.resumed_from,
             "rescues": summarize_rescues(recs, self.rescues.records()),
             "goodput": goodput,
-            "recovery": {**summarize(per), "per_restart": per},
+            "recovery": {
+                **summarize(per),
+                **({"in_process": len(spared)} if spared else {}),
+                "per_restart": per,
+            },
             # trainer.compile: what each start paid until its first step (cold or warm cache); [] if off
             "compile": [{"attempt": a["attempt"], **a["compile"]} for a in recs if "compile" in a],
         }

@@ -136,7 +136,10 @@ def summarize(records: list[dict]) -> dict:
     out: dict = {"restarts": len(records)}
     if not records:
         return out
-    phases = [p for p in PHASES if any(p in r.get("seconds", {}) for r in records)]
+    from goodput.resilience.spares import PHASES as IN_PROCESS  # an in-process recovery's own phases
+
+    every = dict.fromkeys(PHASES + IN_PROCESS)
+    phases = [p for p in every if any(p in r.get("seconds", {}) for r in records)]
     out["median_seconds"] = {
         p: round(statistics.median(r["seconds"][p] for r in records if p in r["seconds"]), 4) for p in phases
     }

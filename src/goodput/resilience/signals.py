@@ -127,9 +127,10 @@ class GraceTimer:
         threading.Thread(target=self._run, name="preemption-grace", daemon=True).start()
 
     def _run(self) -> None:
+        r = self._r  # (close() drops the attribute: this thread then reads the closed socket's end)
         while True:
             try:
-                data = self._r.recv(64)
+                data = r.recv(64)
             except OSError:
                 return
             if not data:

@@ -21,7 +21,7 @@ from goodput.checkpoint.manager import view as commits_view
 from goodput.checkpoint.spec import ModelSpec
 from goodput.config import Config, ConfigError, idle_top_k, monitors_logged
 from goodput.data.dataset import check_same_classes
-from goodput.data.loader import ResumableLoader, data_record, eval_loader
+from goodput.data.loader import ResumableLoader, data_record, eval_loader, eval_loader_of
 from goodput.data.sampler import batch_seed
 from goodput.monitor import EarlyStopping
 from goodput.parallel import set_collective_timeout
@@ -254,6 +254,38 @@ class Trainer:
             tr.profile_start_step, tr.profile_steps, ctx.run_dir, d.rank, d.device, self.tracker
         )
         self.tracker.log_dataset(dc.root, self.loader.files.fingerprint)
+
+    def rebind(self, d) -> None:
+        """Move to the process groups of `d` (in-process recovery onto a spare, goodput.run.spares):
+        every member of the new generation points its checkpoint group at them; a spare built for
+        another rank (it learns its rank only when it takes a dead rank's place) also gets the
+        parts built for a rank made again for `d.rank`, by the same expressions as above."""
+        old, self.dist = self.dist.rank, d
+        ck = self.ckpt
+        ck.rank, ck.world, ck.local_rank, ck.pg = d.rank, d.world, d.local_rank, d.ckpt_pg
+        if d.rank == old:
+            return
+        c, r, tr, f = self.cfg, d.rank, self.cfg.trainer, self.cfg.fault
+        self.loader.rank = self.app.rank = self.rng.rank = self.watchdog.rank = r
+        self.goodput.rank = self.faults.rank = r
+        self.faults.slow_s = f.slow_seconds if f.slow_rank == r else 0.0
+        local_bs = tr.global_batch_size // d.world
+        self.val_loader = eval_loader_of(self.val_loader.dataset, c.data, local_bs, r, d.world, d.device)
+        attempt = self.rescue.attempt
+        self.rescue = self.ckpt.rescuer(self.step.strategy, self.app, self.rng, self.model, attempt)
+        self.step.guard.rescue = self.rescue
+        self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
+        if r == 0:  # the MLflow writer is rank 0's
+            self.tracker = Tracker(
+                c.mlflow.tracking_uri, self.ctx.mlflow_run_id, enabled=True,
+                system_metrics_interval_s=c.mlflow.system_metrics_interval_s,
+                end_timeout_s=c.mlflow.end_timeout_s, artifact_timeout_s=c.mlflow.artifact_timeout_s,
+            )  # fmt: skip
+            self.goodput.tracker = self.tracker
+        self.stragglers = StragglerWatch(tr.straggler_factor, tr.straggler_windows, r)
+        self.profiler = StepProfiler(
+            tr.profile_start_step, tr.profile_steps, self.ctx.run_dir, r, d.device, self.tracker
+        )
 
     def batch(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The inputs of the step after `step` from a delivered batch, on the device: images, the

@@ -4,7 +4,9 @@
 - One process and no restarts wanted: run in this process.
 - Otherwise: torch.distributed's elastic agent (what torchrun uses) starts `nproc_per_node` workers
   on this machine and restarts the whole group up to `max_restarts` times when one dies; each
-  restart resumes from the newest committed checkpoint.
+  restart resumes from the newest committed checkpoint. With `parallel.spares`, each worker is a
+  host of its rank's process and of spares (goodput.run.spares): a rank that dies is replaced by a
+  spare without a restart, and what cannot be recovered that way restarts the group as before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from goodput.parallel import free_port
 from goodput.resilience.preemption import LeaveStopToWorkers, clear_notice, hand_back, notice_file
 from goodput.resilience.recovery import AgentPhases
 from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.run import spares
 from goodput.run.context import RunContext
 from goodput.run.refusal import NoRestartOnRefusal
 from goodput.run.worker import worker
@@ -57,15 +60,16 @@ def launch(c: Config, ctx: RunContext) -> dict | None:
     previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
     clear_notice(notice_file(ctx.run_dir))  # an earlier launch's, in the same run dir
     par = c.parallel
+    spare = spares.settings(c)  # parallel.spares (None: none, or none can help here)
     if external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
         summary = worker(c, ctx)
     else:
-        summary = _elastic(c, ctx)
+        summary = _elastic(c, ctx, spare)
     hand_back(summary, previous, c.trainer.max_steps)
     return summary
 
 
-def _elastic(c: Config, ctx: RunContext) -> dict | None:
+def _elastic(c: Config, ctx: RunContext, spare: spares.Spares | None = None) -> dict | None:
     par = c.parallel
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -93,10 +97,15 @@ def _elastic(c: Config, ctx: RunContext) -> dict | None:
     try:
         stop = LeaveStopToWorkers(notice=notice_file(ctx.run_dir))  # noted for workers not listening yet
         with stop, NoRestartOnRefusal(ctx.run_dir):  # a UserError: one line, exit 2
-            results = elastic_launch(lc, worker)(c, ctx)
+            if spare is None:
+                results = elastic_launch(lc, worker)(c, ctx)
+            else:  # each worker hosts its rank's process and spares: the agent sees no rank die
+                results = elastic_launch(lc, spares.host)(c, ctx, spare)
     except RendezvousError as e:
         raise RendezvousUnreachable(
             f"could not join the rendezvous at {endpoint} (parallel.rdzv_endpoint) within "
             f"parallel.rdzv_timeout_s={par.rdzv_timeout_s}s: {e} ({e.__cause__ or 'no detail'})"
         ) from e
+    if spare is not None:  # rank 0's process may have run on any host (a spare took its place)
+        return next((s for s in results.values() if s is not None), None)
     return results.get(0)

@@ -36,8 +36,10 @@ from goodput.storage.local import atomic_write
 log = logging.getLogger("goodput")
 
 
-def worker(c: Config, ctx: RunContext) -> dict | None:
-    """One rank of the job. Returns the summary on rank 0."""
+def worker(c: Config, ctx: RunContext, spares=None) -> dict | None:
+    """One rank of the job. Returns the summary on rank 0. `spares`: parallel.spares' side of this
+    process (goodput.run.spares.Member): a rank that recovers onto a spare when a peer dies, or a
+    spare (`spares.waiting`) that builds, waits, and becomes the rank whose place it takes."""
     _process_defaults(c)
     # Start-up counts from the job process's start (imports included); after an elastic restart,
     # from this worker's: the gap since the crash is lost time.
@@ -50,15 +52,17 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     # back below, on every way out but fail_fast's exit.
     helper_env = os.environ.get(HELPER_ENV)
     recovery.mark("imports_done")  # this module is imported before `worker` is called
+    # a spare's group is its own (world 1) until it takes a rank's place
     d = init_distributed(c.parallel.init_timeout_s, trace_dir=os.path.join(ctx.run_dir, "flight_recorder"))
     recovery.mark("pg_ready")
-    logs.setup(d.rank, ctx.run_dir)
+    spare = spares is not None and spares.waiting
+    logs.setup(spares.name if spare else d.rank, ctx.run_dir)
     notice = notice_file(ctx.run_dir)  # this node's: its agent notes a notice there
-    ctx = _rank0_view(ctx, d)
+    ctx = ctx if spare else _rank0_view(ctx, d)
     t, status, error = None, "FAILED", None
 
     def end_run(status: str, error: BaseException) -> None:  # before the Trainer (its tracker) exists
-        if d.rank == 0:
+        if d.rank == 0 and not spare:
             tracking.end_run(c.mlflow.tracking_uri, ctx.mlflow_run_id, error, status, c.mlflow.end_timeout_s)
 
     # From here a preemption notice is the run's: noted and acted on by the loop (before its first
@@ -66,6 +70,15 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
     # earlier: a rank waiting for a dead peer's process group is ended by the agent's SIGTERM at once.)
     stop = StopSignal(c.trainer.signal_grace_seconds, notice=notice)
     try:
+        if spare:  # built, then a rank once a dead one's place is taken (None: told to exit)
+            t = spares.take_place(c, ctx, d, stop)
+            if t is None:
+                status = "FINISHED"
+                return None
+            result = spares.train(t, loop.train)
+            summary = _finish(t, result, spares)
+            status = "FINISHED" if result["finished"] else "KILLED"
+            return summary
         t = Trainer(c, ctx, d, recovery)
         t.watchdog.start()  # a restore that hangs is caught too (bound: parallel.init_timeout_s)
         if first:  # what the run is, uploaded in the background (mlflow.artifact_timeout_s)
@@ -90,16 +103,14 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         # end was never written (goodput.run.job), or an elastic restart came after it
         complete = bool(rec) and (rec["step"] >= c.trainer.max_steps or bool(rec.get("stop_reason")))
         t.ends_only = complete and not t.resumed_rescue
+        t.goodput.spares = spares is not None
         begin_attempt(t, rec, t_start)
         recovery.mark("ready")
-        result = loop.train(t)
-        t.watchdog.stop()  # training is over: the end of the run bounds its own waits (write_summary)
-        t.tracker.end_starts()  # the model, the files, the last metrics, the state: mlflow.end_timeout_s
-        result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
-        summary = write_summary(t, result) if d.rank == 0 else None
+        if spares is not None:
+            spares.attach(t)
+        result = loop.train(t) if spares is None else spares.train(t, loop.train)
+        summary = _finish(t, result, spares)
         status = "FINISHED" if result["finished"] else "KILLED"  # KILLED: stopped by a signal, resumable
-        if t.stop.received and not result["preempted"]:
-            log.warning("received %s after the last step: wrote the end of the run first", t.stop.received)
         return summary
     except BaseException as e:
         status, error = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", e
@@ -108,7 +119,8 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
             if not isinstance(e, LockLost):  # the run is another job's now: nothing more is written
                 t.rescue.write(f"{type(e).__name__}: {e}")  # a peer died, or this rank's step raised
         if os.environ.get("TORCHELASTIC_RUN_ID") and not isinstance(e, KeyboardInterrupt | SystemExit):
-            fail_fast(e, t.tracker.close if t is not None else end_run, ctx.run_dir, d.rank)
+            rank = t.dist.rank if t is not None else d.rank
+            fail_fast(e, t.tracker.close if t is not None else end_run, ctx.run_dir, rank)
         raise
     finally:
         if t is not None:
@@ -120,6 +132,20 @@ def worker(c: Config, ctx: RunContext) -> dict | None:
         shutdown_distributed()
         if helper_env is None:
             os.environ.pop(HELPER_ENV, None)
+
+
+def _finish(t: Trainer, result: dict, spares=None) -> dict | None:
+    """The end of the run on every rank: the summary on rank 0 (returned), the spares still waiting
+    told to exit (parallel.spares)."""
+    t.watchdog.stop()  # training is over: the end of the run bounds its own waits (write_summary)
+    t.tracker.end_starts()  # the model, the files, the last metrics, the state: mlflow.end_timeout_s
+    result["model_sha256"] = model_sha256(t.model)  # collective under FSDP: every rank calls it
+    if spares is not None:
+        spares.finish(t)  # the last recovery's record written; rank 0: the waiting spares exit
+    summary = write_summary(t, result) if t.dist.rank == 0 else None
+    if t.stop.received and not result["preempted"]:
+        log.warning("received %s after the last step: wrote the end of the run first", t.stop.received)
+    return summary
 
 
 def _after_missed(status: str) -> str:
@@ -159,10 +185,17 @@ def begin_attempt(t: Trainer, rec: dict | None, t_start: float) -> int:
     for it (each seeded by the attempt). Returns the number of restarts so far."""
     restarts = t.goodput.begin(rec, t_start)
     t.watchdog.attempt = restarts
-    f = t.cfg.fault
-    t.faults.arm_random(f.mtbf_seconds, f.max_kills, t.cfg.seed, restarts)
-    t.faults.arm_chaos(f.chaos_p, f.chaos_seed, f.max_kills, restarts)
+    arm_faults(t, restarts + t.goodput.in_process)
     return restarts
+
+
+def arm_faults(t: Trainer, failures: int) -> None:
+    """The random fault drills of this process's life, seeded by the failures recovered so far (the
+    restarts, and the in-process recoveries onto a spare: a spare that takes the killed rank's place
+    draws the next kill)."""
+    f = t.cfg.fault
+    t.faults.arm_random(f.mtbf_seconds, f.max_kills, t.cfg.seed, failures)
+    t.faults.arm_chaos(f.chaos_p, f.chaos_seed, f.max_kills, failures)
 
 
 def write_summary(t: Trainer, result: dict) -> dict:

@@ -1,0 +1,675 @@
+"""parallel.spares: warm spare processes, and recovery onto one without a restart.
+
+Under torch's elastic agent a dead worker stops the whole group. So with spares each elastic worker
+is a *host* (`host`): a small supervisor that forks the training process of its rank (and, on some
+hosts, spare processes) and waits for them. The agent never sees a rank die; the host does, at
+once (its child), and decides with the other processes through the agent's store
+(goodput.resilience.spares.Roster):
+
+1. Rank r is killed. Its host reports the death. The survivors' collectives fail (gloo raises as
+   soon as the peer's socket closes); each reports the step boundary its state stands at
+   (Rescue.noted: the last finished step, noted by the loop for rescue checkpoints) and waits.
+2. Once all have reported at the same step, the host picks a registered spare, writes the plan
+   (generation g+1: the spare takes rank r) and forks a new spare in the background.
+3. Survivors put back what the step in flight changed (Rescue.rewind: the loader's position, the
+   buffers), leave the broken group without waiting on it and form generation g+1's on the same
+   store (goodput.parallel.join_generation); DDP's wrapper moves to it (Strategy.regroup).
+4. The spare (built, its DataLoader workers forked, DDP's buckets settled, waiting on the store
+   without using the CPU) learns rank r and the step, starts decoding that step's batch, joins the
+   group, and receives the boundary state from the lowest survivor: the same state dict a rescue
+   would write (Rescue.state: model with the boundary's buffers, optimizer, EMA, scaler, the
+   loader's position, the schedule, the monitors; the ledger), one buffer over the group.
+5. Every rank runs the loop again from that step: the step in flight is redone, nothing else.
+
+Anything else falls back to what parallel.spares=0 does: the survivors write a rescue of the same
+boundary and exit, the host exits, the agent restarts the group from the rescue (no spare left,
+two ranks lost at once, a survivor inside a save, an evaluation or an update, a rank that exited
+by its own error or was ended as hung, a spare that dies on the way, any phase past
+parallel.recovery_timeout_s). docs/parallelism.md, "In-process recovery onto a spare".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from goodput.resilience.signals import PREEMPT_SIGNALS
+from goodput.resilience.spares import PHASES, Roster, prefix, record_name
+
+log = logging.getLogger("goodput")
+
+WAIT_S = 3600.0  # a waiting spare's store wait, renewed: one C++ wait, no polling
+
+
+@dataclass(frozen=True)
+class Spares:
+    """What the processes of a job with spares need from its config (read here, once)."""
+
+    count: int
+    timeout_s: float
+
+
+def settings(c) -> Spares | None:
+    """parallel.spares and parallel.recovery_timeout_s. None: no spares (0), or none can help here
+    (said once): under an outside launcher (torchrun, srun), which stops every rank when one dies,
+    and for a strategy whose ranks hold shards (no survivor holds the dead rank's)."""
+    n, timeout_s = c.parallel.spares, c.parallel.recovery_timeout_s
+    if not n:
+        return None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        log.warning("parallel.spares=%d: not started under an outside launcher (its agent stops every "
+                    "rank when one dies); failures take the rescue and restart path", n)  # fmt: skip
+        return None
+    from hydra.utils import get_class
+
+    target = c.parallel.strategy["_target_"]
+    if not get_class(target).recovers_in_process:
+        log.warning("parallel.spares=%d: not started under parallel.strategy %s: no survivor holds a dead "
+                    "rank's shard; failures take the rescue and restart path", n, target)  # fmt: skip
+        return None
+    return Spares(n, timeout_s)
+
+
+def connect(timeout_s: float):
+    """This process's own connection to the job's store (the elastic agent's), under the spares'
+    prefix for this restart round. A connection is used by one thread at a time."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    base = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=max(timeout_s, 60.0)))
+    return dist.PrefixStore(_prefix(), base), base
+
+
+def _prefix() -> str:
+    from goodput.resilience.accounting import restart_round
+
+    return prefix(restart_round())
+
+
+# -- the host: one elastic worker, its children -------------------------------------------------
+@dataclass
+class Child:
+    pid: int
+    member: int
+    rank: int | None  # None: a spare (until it says which rank it became)
+    pipe: int  # read end: the child writes "rank <r>" when it takes a rank's place
+
+    def rank_now(self) -> int | None:
+        try:
+            os.set_blocking(self.pipe, False)
+            data = os.read(self.pipe, 4096)
+        except (BlockingIOError, OSError):
+            data = b""
+        for line in data.decode(errors="replace").split("\n"):
+            if line.startswith("rank "):
+                self.rank = int(line[5:])
+        return self.rank
+
+
+class Host:
+    """One elastic worker with spares: the training process of its rank and `spares` spare
+    processes, each forked from here and waited for. Returns (or exits with) what they leave: 0 when
+    the run ended (the summary if its rank-0 process ran here), else the status of the process
+    that failed, so that the agent restarts the group as it would have."""
+
+    def __init__(self, c, ctx, s: Spares, rank: int, world: int, local_rank: int, local_world: int):
+        self.c, self.ctx, self.s = c, ctx, s
+        self.rank, self.world, self.local_rank, self.local_world = rank, world, local_rank, local_world
+        self.store, self._base = connect(s.timeout_s)
+        self.roster = Roster(self.store, world, s.timeout_s)
+        self.children: dict[int, Child] = {}
+        self.stopping = False
+        self.status, self.summary = 0, None
+        self._spare_slot = 0
+
+    def start(self, rank: int | None, after: str | None = None) -> None:
+        """Fork one child: the process of `rank`, or a spare (None); one that replaces a spare taken
+        builds `after` that key is in the store (the taken spare's first step: the build would take
+        the CPU from the recovery)."""
+        member = self.roster.member()
+        r, w = os.pipe()
+        local = self.local_rank if rank is not None else self.local_world + self._spare_slot
+        if rank is None:
+            self._spare_slot += 1
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPT_SIGNALS)  # no handler of ours in the child
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            for sig in PREEMPT_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            code = 1
+            try:
+                code = _child(self.c, self.ctx, self.s, rank, member, w, self.world, local, after)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                for h in logging.getLogger().handlers:
+                    h.flush()
+                os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        os.close(w)
+        self.children[pid] = Child(pid, member, rank, r)
+
+    def _forward(self, signum, frame) -> None:
+        self.stopping = True  # a notice, or the agent stopping the group: no recovery from now on
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _fail(self, status: int, why: str) -> None:
+        """Fall back: the agent restarts the group (it sees this worker fail), the others stop."""
+        if not self.status:
+            self.status = status
+            log.warning("%s: the group restarts (the rescue and restart path)", why)
+            try:  # the error file the agent reports (what torch's @record leaves)
+                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+                ErrorHandler().record_exception(RuntimeError(why))
+            except Exception:
+                pass
+        self._forward(signal.SIGTERM, None)
+
+    def run(self) -> dict | None:
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._forward)
+        self.start(self.rank)
+        for _ in range(self.local_rank, self.s.count, self.local_world):  # spares spread over the hosts
+            self.start(None)
+        while self.children:
+            pid, st = os.waitpid(-1, 0)
+            child = self.children.pop(pid, None)
+            if child is not None:
+                self._ended(child, st)
+                os.close(child.pipe)
+        if not self.status and self.stopping and not self._ended_normally():
+            self.status = 1  # the agent tears the group down (another worker failed): not a return
+        if self.status:  # (a worker that returns waits for the agent to read its value: it never does here)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os._exit(self.status)
+        return self.summary
+
+    def _ended_normally(self) -> bool:
+        """After a stop signal, with every child gone without an error: did the run end (a notice:
+        rank 0 closed it after its checkpoint), or is the agent tearing the group down? Asked of
+        the store, at most parallel.recovery_timeout_s (the abort of a fallback answers at once)."""
+        deadline = time.monotonic() + self.s.timeout_s
+        while time.monotonic() < deadline:
+            if self.roster.closed():
+                return True
+            if "abort" in self.roster.decision(self.roster.generation()):
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _ended(self, child: Child, st: int) -> None:
+        rank = child.rank_now()
+        sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
+        code = os.WEXITSTATUS(st) if os.WIFEXITED(st) else 128 + (sig or 0)
+        if rank is None:  # a spare that waited
+            if sig is None and code == 0:
+                return  # told to exit: the run is over, or stopping
+            self.roster.gone(child.member)
+            if sig is not None and not self.stopping:
+                log.warning("spare %d died (%s): starting another", child.member, signal.Signals(sig).name)
+                self.start(None)
+            elif sig is None:  # its own error (its log says which): the ranks train on, one spare fewer
+                log.warning("spare %d failed (exit status %d): not replaced", child.member, code)
+            return
+        if sig is None:  # the rank ended: the run's end (0), or its own failure (a rescue is written)
+            if code == 0:
+                if rank == 0:
+                    self.summary = _read_summary(self.ctx.run_dir)
+                return
+            if not self.stopping:
+                self.roster.abort(self.roster.generation(), f"rank {rank} exited with status {code}")
+            self._fail(code, f"rank {rank} exited with status {code}")
+            return
+        cause = signal.Signals(sig).name
+        if self.stopping:
+            self._fail(code, f"rank {rank} was ended by {cause} while the job stops")
+            return
+        detected = time.time()
+        gen = self.roster.generation()
+        if self.roster.death(gen, rank, cause) > 1:
+            decision = self.roster.abort(gen, "two ranks lost at once")
+        else:
+            decision = self.roster.decide(gen, rank, cause, detected)
+        plan = decision.get("plan")
+        if plan is not None and plan["rank"] == rank and plan["gen"] == gen + 1:
+            self.start(None, after=f"gen{plan['gen']}/mark/loader_ready/{rank}")  # the next spare
+            return
+        self._fail(code, f"rank {rank} died ({cause}); no in-process recovery: {decision.get('abort')}")
+
+
+def _read_summary(run_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def host(c, ctx, s: Spares) -> dict | None:
+    """The elastic worker's function with spares (goodput.run.launch)."""
+    from goodput import logs
+
+    env = os.environ
+    logs.setup(f"host{env['LOCAL_RANK']}")  # (its children set their own: a rank's, a spare's)
+    h = Host(c, ctx, s, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+             int(env["LOCAL_WORLD_SIZE"]))  # fmt: skip
+    return h.run()
+
+
+def _child(
+    c, ctx, s: Spares, rank: int | None, member: int, pipe: int, world: int, local_rank: int, after=None
+) -> int:
+    from goodput.data.loader import die_with_parent
+    from goodput.run.worker import worker
+
+    die_with_parent(0)  # a host killed by the agent takes its children with it
+    if rank is None:  # a spare: a process group of its own until it takes a rank's place
+        for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"):
+            os.environ.pop(k, None)
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        if torch.cuda.is_available():  # a device of its own, after the ranks' (nproc_per_node + i)
+            torch.cuda.set_device(local_rank)
+    if torch.cuda.is_available():  # a failed NCCL collective is ours to abort, not the watchdog's to end
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    worker(c, ctx, Member(s, member, pipe, world, waiting=rank is None, after=after))
+    return 0
+
+
+# -- a process's side: a rank that recovers, or a spare --------------------------------------------
+class Member:
+    """parallel.spares' side of one training process (goodput.run.worker): a rank whose loop
+    recovers onto a spare when a peer dies (`attach`, `train`), or a spare (`waiting`) that builds,
+    waits, and takes a dead rank's place (`take_place`)."""
+
+    def __init__(
+        self, s: Spares, member: int, pipe: int, world: int, waiting: bool, after: str | None = None
+    ):
+        self.s, self.member, self.pipe, self.world, self.waiting = s, member, pipe, world, waiting
+        self.after = after  # a spare that replaces a taken one: the key it builds after
+        self.name = f"spare{member}"
+        self.store, self._base = connect(s.timeout_s)
+        self.roster = Roster(self.store, world, s.timeout_s)
+        self.gen = 0
+        self._recording: threading.Thread | None = None
+
+    # -- a rank ---------------------------------------------------------------------------------
+    def attach(self, t) -> None:
+        """A rank, once it is ready to train (a spare: once it took a rank's place)."""
+        t.loader.keep_last = True  # the step in flight's batch, delivered again after a recovery
+        threading.Thread(target=self._watch, args=(t,), name="spares-watch", daemon=True).start()
+
+    def _watch(self, t) -> None:
+        """A death in this rank's generation, seen in the store as soon as its host reports it
+        (one C++ wait, no CPU meanwhile). A rank inside a save or an evaluation has no collective
+        that fails soon: it reports that at once, so that the decider falls back at once instead of
+        waiting out parallel.recovery_timeout_s. On CUDA the rank's communicators are aborted: a
+        collective with a dead NCCL peer waits (it does not fail as gloo's does), and the abort
+        makes it fail, so the main thread recovers (written for NCCL, not run on a GPU here)."""
+        store, _ = connect(self.s.timeout_s)
+        roster = Roster(store, self.world, self.s.timeout_s)
+        while True:
+            gen = self.gen
+            try:
+                store.wait([f"gen{gen}/dead"], timedelta(seconds=WAIT_S))
+            except RuntimeError:  # the wait timed out: wait again
+                continue
+            if self.gen != gen:
+                continue
+            _, why = t.rescue.noted()  # (inside an update: the main thread reaches its boundary soon)
+            if t.ckpt.saving():
+                why = "inside a checkpoint save"
+            busy = why if why and "update" not in why else None
+            if busy is not None:
+                roster.report(gen, t.dist.rank, None, busy)
+            elif torch.cuda.is_available():
+                import torch.distributed as dist
+
+                dist.distributed_c10d._abort_process_group()
+            try:  # this generation's decision; after a plan, the next generation is watched
+                store.wait([f"gen{gen}/decision"], timedelta(seconds=3 * self.s.timeout_s))
+                decided = json.loads(store.get(f"gen{gen}/decision"))
+            except (RuntimeError, ValueError):
+                return
+            deadline = time.monotonic() + 3 * self.s.timeout_s
+            while "plan" in decided and self.gen == gen and time.monotonic() < deadline:
+                time.sleep(0.05)  # the main thread joins the next generation
+            if self.gen == gen:
+                return  # an abort: the process falls back and ends
+
+    def train(self, t, train):
+        """`train(t)` (the loop), run again from the boundary after each in-process recovery."""
+        while True:
+            try:
+                return train(t)
+            except Exception as e:
+                if not self.recover(t, e):
+                    raise
+
+    def recover(self, t, e: Exception) -> bool:
+        """A survivor's side of a peer's death (the module's docstring). False: fall back."""
+        if not _peer_lost(e):  # this rank's own error: not a spare's to fix
+            return False
+        detected = time.time()
+        rank, gen = t.dist.rank, self.gen
+        step, why = t.rescue.noted()
+        if step is not None and t.ckpt.saving():
+            step, why = None, "inside a checkpoint save"
+        log.warning("rank %d: a peer is lost (%s); this rank stands %s", rank, _short(e),
+                    f"at the end of step {step}" if step is not None else why)  # fmt: skip
+        self.roster.report(gen, rank, step, why)
+        self.roster.mark(gen + 1, "detected", rank, detected)
+        with t.watchdog.phase("in-process recovery"):
+            decision = self.roster.await_decision(gen)
+            if "abort" in decision:
+                log.warning("rank %d: no in-process recovery (%s)", rank, decision["abort"])
+                return False
+            plan = decision["plan"]
+            try:
+                t.rescue.rewind()  # what the step in flight changed (its batch is delivered again)
+                self._join(t, plan, rank, t.dist.local_rank, t.dist.init_timeout_s)
+                if rank == plan["sender"]:
+                    header = {"step": plan["step"], "attempt": t.goodput.restarts,
+                              "in_process": t.goodput.in_process + 1,
+                              "ctx": [t.ctx.mlflow_run_id, t.ctx.run_dir, t.ctx.lock_token]}  # fmt: skip
+                    send_state(t.rescue.state(plan["step"]), header, plan["rank"])
+            except Exception as err:
+                log.warning("rank %d: in-process recovery failed: %r", rank, err)
+                return False
+        t.goodput.in_process += 1
+        t.goodput.after_recovery = functools.partial(self._first_step, t, plan)
+        return True
+
+    def _join(self, t, plan: dict, rank: int, local_rank: int, init_timeout_s: float) -> None:
+        """Generation plan["gen"]'s process groups, as `rank`; the Trainer moved onto them."""
+        import torch.distributed as dist
+
+        from goodput.parallel import join_generation
+
+        store = dist.PrefixStore(f"{_prefix()}gen{plan['gen']}/pg/", self._base)
+        d = join_generation(store, rank, plan["world"], local_rank, self.s.timeout_s, init_timeout_s)
+        t.rebind(d)
+        t.step.strategy.regroup(t.model)
+        self.gen = plan["gen"]
+        self.roster.mark(self.gen, "group_rebuilt", rank)
+
+    # -- a spare --------------------------------------------------------------------------------
+    def take_place(self, c, ctx, d, stop):
+        """A spare's life: build for a provisional rank, settle, wait; on a plan, become its rank
+        (the Trainer, at the boundary the survivors stand at). None: told to exit, or a notice."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from goodput import logs
+        from goodput.parallel import Dist
+        from goodput.resilience.recovery import Recovery
+        from goodput.run.build import Trainer
+        from goodput.run.worker import arm_faults
+
+        if self.after is not None and self._wait_for(self.after, stop, self.s.timeout_s) is None:
+            return None  # a notice meanwhile
+        t0 = time.time()
+        provisional = Dist(self.world - 1, self.world, d.local_rank, d.device, d.ckpt_pg, d.init_timeout_s)
+        t = Trainer(c, ctx, provisional, Recovery())
+        try:
+            t.loader.keep_last = True
+            # a stand-in of one micro-batch: its first forward and backward (allocations, kernels
+            # picked) are not paid by the first step it takes part in
+            size, per_rank = t.loader.dataset.image_size, t.loader.order.global_batch_size // self.world
+            x = torch.zeros(max(2, per_rank // t.step.n_micro), 3, size, size, device=d.device)
+            if t.step.opts.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+
+            def forward():
+                with t.step.autocast():
+                    return t.model(x)
+
+            t.step.strategy.ready_spare(t.model, forward)
+            t.loader.park()  # the DataLoader workers forked now, their position unset
+            if self.roster.register(self.member):
+                log.info("%s (pid %d) ready in %.2fs: waiting to take a rank's place", self.name, os.getpid(),
+                         time.time() - t0)  # fmt: skip
+                plan = self._wait_for(Roster.assignment(self.member), stop, WAIT_S, renew=True)
+            else:
+                plan = None
+        except BaseException:
+            t.close()
+            raise
+        if plan is None or "exit" in plan:
+            t.close()
+            return None
+        r, step = plan["rank"], plan["step"]
+        os.write(self.pipe, f"rank {r}\n".encode())  # the host: this process is rank r now
+        self.waiting = False
+        t.loader.rank = r
+        # the step in flight's batch is made while the group forms and the state comes (the
+        # parked workers' restart waits on each of them: on busy cores, a tenth of a second)
+        starting = threading.Thread(target=t.loader.start_at, args=(step,), name="spare-loader", daemon=True)
+        starting.start()
+        self._join(t, plan, r, d.local_rank, d.init_timeout_s)
+        logs.setup(r, ctx.run_dir)
+        if r != 0:  # rank hygiene, as every rank's (worker._rank0_view)
+            logging.getLogger().setLevel(logging.WARNING)
+        sd, header = recv_state(plan["sender"])
+        starting.join()  # before the loader's state is set
+        mlflow_run_id, run_dir, lock_token = header["ctx"]
+        t.ctx = t.ctx.with_rank0(mlflow_run_id, run_dir, lock_token)
+        t.app.apply(sd, StateDictOptions(), step)
+        self.roster.mark(self.gen, "state_sent", r)
+        g = t.goodput
+        g.restarts, g.in_process = header["attempt"], header["in_process"]
+        g.recovery.mark("first_step")  # this process's own start-up is not a restart's to record
+        if r == 0:
+            _continue_attempt_record(g)
+        t.watchdog.attempt = g.restarts
+        t.watchdog.start()
+        t.stop = stop.rescuing(t.rescue.request)
+        arm_faults(t, g.restarts + g.in_process)
+        g.after_recovery = functools.partial(self._first_step, t, plan)
+        self.attach(t)
+        log.warning("spare %d is rank %d now, at step %d (%.2fs since the plan)", self.member, r, step,
+                    time.time() - plan["detected"])  # fmt: skip
+        return t
+
+    def _wait_for(self, key: str, stop, timeout_s: float, renew: bool = False) -> dict | None:
+        """The store's value at `key` (a JSON object; {} for another value, or when `timeout_s`
+        passed without `renew`), or None on a preemption notice. The store wait is one C++ call on
+        a thread of its own with a connection of its own (no CPU while it waits); this thread
+        looks at the notice once a second."""
+        box: dict = {}
+        store, _ = connect(self.s.timeout_s)
+
+        def wait() -> None:
+            while "value" not in box:
+                try:
+                    store.wait([key], timedelta(seconds=timeout_s))
+                except RuntimeError:  # the wait timed out
+                    if renew:
+                        continue
+                    box["value"] = b"{}"
+                    return
+                box["value"] = store.get(key)
+
+        th = threading.Thread(target=wait, name="spare-wait", daemon=True)
+        th.start()
+        while th.is_alive():
+            th.join(1.0)
+            if stop.received:
+                log.info("%s: %s while waiting: exiting", self.name, stop.received)
+                return None
+        try:
+            value = json.loads(box["value"])
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    # -- after the first step -------------------------------------------------------------------
+    def _first_step(self, t, plan: dict, step: int) -> None:
+        rank = t.dist.rank
+        if rank == plan["rank"]:  # the spare: when its first batch was there
+            self.roster.mark(plan["gen"], "loader_ready", rank, t.loader.first_delivery)
+        if rank == 0:
+            first = time.time()
+            self._recording = threading.Thread(
+                target=self._record, args=(t, plan, first), name="recovery-record", daemon=True
+            )
+            self._recording.start()
+
+    def _record(self, t, plan: dict, first: float) -> None:
+        """Rank 0, after the first step: the recovery's record beside the checkpoints, in MLflow,
+        and one log line naming the dead rank and the spare (its own store connection: a thread)."""
+        try:
+            store, _ = connect(self.s.timeout_s)
+            roster = Roster(store, self.world, self.s.timeout_s)
+            gen, r = plan["gen"], plan["rank"]
+            store.wait([f"gen{gen}/mark/loader_ready/{r}"], timedelta(seconds=10))
+            ranks = range(plan["world"])
+            at = {"detected": min([plan["detected"], *roster.marks(gen, "detected", ranks)])}
+            at["group_rebuilt"] = max(roster.marks(gen, "group_rebuilt", ranks))
+            at["state_sent"] = roster.marks(gen, "state_sent", [r])[0]
+            at["loader_ready"] = roster.marks(gen, "loader_ready", [r])[0]
+            at["first_step"] = first
+            since = at["detected"] - 60.0  # the drill's kill marker of this rank, just before
+            kills = [m["time"] for m in t.faults.fired().values()
+                     if m.get("rank") == r and since <= m.get("time", 0) <= at["detected"]]  # fmt: skip
+            at["failure"], source = (max(kills), "fault_marker") if kills else (at["detected"], "detected")
+            known = [p for p in PHASES if p in at]
+            n, attempt = t.goodput.in_process, t.goodput.restarts
+            rec = {
+                "kind": "in_process", "attempt": attempt, "n": n, "dead_rank": r, "spare": plan["spare"],
+                "step": plan["step"], "cause": plan["cause"],
+                "lost_steps": 0,  # the survivors stood at the last finished step: only the one in flight
+                "failure_source": source, "at": {p: round(at[p], 4) for p in known},
+                "seconds": {b: round(at[b] - at[a], 4) for a, b in zip(known, known[1:])},
+                "total_seconds": round(first - at["failure"], 4),
+            }  # fmt: skip
+            t.ckpt_store.write_bytes(record_name(attempt, n), json.dumps(rec).encode())
+            metrics = {f"recovery/{k}_seconds": v for k, v in rec["seconds"].items()}
+            metrics["recovery/total_seconds"] = rec["total_seconds"]
+            t.tracker.log(metrics, attempt + n)
+            t.tracker.set_tags({f"recovery.{n}.replaced": f"rank {r} by spare {plan['spare']}"})
+            log.warning("in-process recovery %d: rank %d died (%s), spare %d took its place at step %d: "
+                        "%.2fs from the failure to the first step (%s)", n, r, plan["cause"], plan["spare"],
+                        plan["step"], rec["total_seconds"], json.dumps(rec["seconds"]))  # fmt: skip
+        except Exception as e:  # measuring must never stop training
+            log.warning("could not record the in-process recovery: %r", e)
+
+    def finish(self, t) -> None:
+        """The end of the run: the last record written; rank 0 tells the waiting spares to exit."""
+        if self._recording is not None:
+            self._recording.join(timeout=15.0)
+        if t.dist.rank == 0:
+            try:
+                self.roster.close("the run is over")
+            except Exception as e:
+                log.warning("could not tell the spares to exit: %r", e)
+
+
+def _continue_attempt_record(g) -> None:
+    """A spare that became rank 0 writes the attempt's record from now on (its heartbeat, the
+    summary): the one rank 0 wrote so far, read back."""
+    from goodput.resilience.accounting import check_attempt
+
+    name = f"{g.restarts:04d}.json"
+    g.attempts.path = f"attempts/{name}"
+    g.attempts.record = check_attempt(g.attempts.storage.read_bytes(g.attempts.path), name, g.restarts)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """The error of a collective whose peer is gone (gloo: its socket closed; a store wait), not
+    this rank's own (a bad batch, out of memory)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
+    )
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().split("\n")[0]
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+# -- the state, over the group --------------------------------------------------------------------
+ALIGN = 16  # each tensor starts at a multiple of this in the buffer (a view as its dtype needs it)
+
+
+def _flatten(tree: dict, path: tuple = ()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            if not v:
+                yield (*path, k), None  # an empty part (the optimizer's state before its first step)
+            yield from _flatten(v, (*path, k))
+        else:
+            yield (*path, k), v
+
+
+def send_state(sd: dict, header: dict, dst: int) -> None:
+    """`sd` (a state dict of tensors, nested dicts) and `header` (JSON) to rank `dst`: sizes, the
+    header with where each tensor sits, then one buffer of every tensor's bytes. No pickle: the
+    receiver rebuilds tensors from the header's dtypes and shapes."""
+    import torch.distributed as dist
+
+    entries, parts, offset = [], [], 0
+    for path, t in _flatten(sd):
+        if t is None:
+            entries.append([list(path), None, None, 0, 0])
+            continue
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        pad = -offset % ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+        entries.append([list(path), str(t.dtype).removeprefix("torch."), list(t.shape), offset, raw.numel()])
+        parts.append(raw)
+        offset += raw.numel()
+    meta = json.dumps({**header, "entries": entries}).encode()
+    buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    dist.send(torch.tensor([len(meta), buf.numel()], dtype=torch.int64), dst)
+    dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst)
+    dist.send(buf, dst)
+
+
+def recv_state(src: int) -> tuple[dict, dict]:
+    """What send_state sent from rank `src`: (the state dict, the header)."""
+    import torch.distributed as dist
+
+    sizes = torch.zeros(2, dtype=torch.int64)
+    dist.recv(sizes, src)
+    meta = torch.zeros(int(sizes[0]), dtype=torch.uint8)
+    dist.recv(meta, src)
+    header = json.loads(bytes(meta.numpy()).decode())
+    buf = torch.zeros(int(sizes[1]), dtype=torch.uint8)
+    dist.recv(buf, src)
+    sd: dict = {}
+    for path, dtype, shape, offset, n in header.pop("entries"):
+        node = sd
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        if dtype is None:
+            node.setdefault(path[-1], {})
+            continue
+        kind = getattr(torch, dtype, None)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"state from rank {src}: {dtype!r} is not a torch dtype")
+        node[path[-1]] = buf[offset : offset + n].view(kind).reshape(shape)
+    return sd, header

@@ -1,0 +1,92 @@
+"""parallel.spares through the entry point and the elastic agent (goodput.run.spares): rank 1 of a
+2-rank DDP job killed twice, once between steps and once between the micro-steps of a step, each
+time replaced by a warm spare without a restart, ends bit for bit on the uninterrupted run's model
+and sample order; what does not fit (a rank's own error, a kill inside a save) takes the rescue and
+restart path as without spares, in the same run, and ends there too; a preemption notice still
+commits and exits 0 (a rank ended as hung exits 124: the host's branch of the own error's exit 1).
+The decisions, their bounds and a waiting spare's CPU: unit/test_spares.py."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import run_train
+
+pytestmark = pytest.mark.slow
+
+# 50 steps of 2 micro-steps per rank, a commit at step 25, rank 0 0.15 s slower per step: the spares
+# are built and waiting when the kills come
+BASE = ["parallel=ddp", "trainer.max_steps=50", "checkpoint.every_n_steps=25", "trainer.micro_batch_size=4",
+        "data.num_workers=1", "fault.slow_rank=0", "fault.slow_seconds=0.15"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    _, s = run_train(tmp_path_factory.mktemp("clean"), *BASE)
+    return s
+
+
+def test_kills_are_recovered_onto_spares_and_what_does_not_fit_restarts_all_to_the_clean_model(
+    tmp_path, clean
+):
+    """Rank 1, four times: killed after step 12 (a spare takes its place), its own error in step 18
+    (a bad batch, not a peer lost: the group restarts from the rescue of step 17), killed while the
+    step-25 commit uploads (rank 0 is inside that save: the restart), killed between the two
+    micro-steps of step 45 (a spare of the restarted group takes its place: the survivor stood at
+    the end of step 44). In-process: no process of the survivors restarts, the step in flight is
+    redone. Every way, the uninterrupted run's model and sample order."""
+    faults = ["fault.rank=1", "fault.kill_at_step=12", "fault.raise_at_step=18", "fault.kill_during_save=25",
+              "fault.kill_in_step=45", "parallel.max_restarts=2",
+              "parallel.recovery_timeout_s=5"]  # fmt: skip
+    p, s = run_train(tmp_path, *BASE, "parallel.spares=1", *faults)
+    assert s["model_sha256"] == clean["model_sha256"]
+    assert s["sample_order_sha256"] == clean["sample_order_sha256"]  # no sample lost or seen twice
+    rec = s["recovery"]
+    assert s["restarts"] == 4 and rec["in_process"] == 2 and s["rescues"]["count"] == 2
+    spared = [r for r in rec["per_restart"] if r.get("kind") == "in_process"]
+    where = [(r["attempt"], r["dead_rank"], r["step"], r["lost_steps"]) for r in spared]
+    assert where == [(0, 1, 12, 0), (2, 1, 44, 0)]
+    for r in spared:
+        assert list(r["seconds"]) == ["detected", "group_rebuilt", "state_sent", "loader_ready", "first_step"]
+        assert r["failure_source"] == "fault_marker"
+        assert r["total_seconds"] == pytest.approx(sum(r["seconds"].values()), abs=1e-3)
+    assert s["goodput"]["in_process_recoveries"] == 2
+    for n, r in enumerate(spared, 1):
+        assert f"in-process recovery {n}: rank 1 died (SIGKILL), spare {r['spare']} took its place at step " \
+               f"{r['step']}" in p.stderr  # fmt: skip
+    assert "rank 1 exited with status 1" in p.stderr  # its own error: the restart
+    assert "no in-process recovery (rank 0: inside a checkpoint save)" in p.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = s["mlflow_run_id"]
+    assert len(client.get_metric_history(run, "recovery/total_seconds")) == 4  # restarts and in-process
+    assert client.get_run(run).data.tags["recovery.2.replaced"] == f"rank 1 by spare {spared[1]['spare']}"
+
+
+def test_a_preemption_notice_still_checkpoints_and_exits_0_with_spares(tmp_path):
+    """SIGTERM to the job's process group (as a scheduler sends it) while a spare waits: the ranks
+    commit the step they stand at and exit 0, the spare exits 0, every host returns (none is taken
+    for a failed worker): the job exits 0 and says where it stopped."""
+    import os
+    import signal
+    import time
+
+    from helpers import start_train, train_cmd
+
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        p = start_train(train_cmd(tmp_path, *BASE, "parallel.spares=1"), out)
+        try:
+            deadline = time.monotonic() + 240
+            while "ready in" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(2.0)  # a few steps on
+            os.killpg(p.pid, signal.SIGTERM)
+            assert p.wait(120) == 0, log.read_text()[-4000:]
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "received SIGTERM: checkpointed step" in text
+    assert "SIGTERM while waiting: exiting" in text  # the spare
+    assert "stopped by SIGTERM at step" in text

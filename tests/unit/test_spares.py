@@ -1,0 +1,407 @@
+"""parallel.spares: the decision a host makes when its rank dies (goodput.resilience.spares.Roster),
+on a real TCP store in this process; what falls back, and within which bound; a waiting spare's
+CPU; a spare built for another rank made the rank it takes (Trainer.rebind); the loader that
+redoes the step in flight without new workers. The end-to-end drills: tests/e2e/test_spares_runs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from goodput.resilience.spares import Recoveries, Roster, check_record, record_name
+from goodput.storage.remote import Storage
+from goodput.untrusted import RecordError
+
+
+@pytest.fixture
+def tcp():
+    """A TCP store of its own (what the elastic agent's is)."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+@pytest.fixture
+def store(tcp):
+    """The spares' part of it, with the job's prefix."""
+    return dist.PrefixStore("goodput/restart0/spares/", tcp)
+
+
+def _roster(store, world=3, timeout_s=5.0) -> Roster:
+    return Roster(store, world, timeout_s)
+
+
+def _spare(roster: Roster) -> int:
+    member = roster.member()
+    assert roster.register(member)
+    return member
+
+
+def test_a_plan_hands_a_spare_the_dead_ranks_place_at_the_survivors_step(store):
+    r = _roster(store)
+    spare = _spare(r)
+    r.report(0, 0, 7)
+    r.report(0, 2, 7)
+    assert r.death(0, 1, "SIGKILL") == 1
+    decision = r.decide(0, 1, "SIGKILL", detected=123.0)
+    plan = decision["plan"]
+    assert (plan["gen"], plan["rank"], plan["spare"], plan["step"], plan["sender"]) == (1, 1, spare, 7, 0)
+    assert json.loads(store.get(Roster.assignment(spare)))["rank"] == 1  # the spare is told
+    assert r.generation() == 1
+    assert r.await_decision(0) == decision  # what every survivor reads
+
+
+def test_the_decision_waits_for_a_survivor_that_reports_late(store):
+    r = _roster(store)
+    _spare(r)
+    r.report(0, 0, 7)
+    late = threading.Timer(0.3, r.report, args=(0, 2, 7))  # rank 2 was computing: its collective fails later
+    late.start()
+    assert "plan" in r.decide(0, 1, "SIGKILL", detected=0.0)
+    late.join()
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("no spare", "no spare left"),
+        ("spare gone", "no spare left"),
+        ("in a save", "rank 2: inside a checkpoint save"),
+        ("different steps", "the survivors stand at different steps [7, 8]"),
+        ("two deaths", "two ranks lost at once"),
+        ("no report", "rank(s) [2] did not report within parallel.recovery_timeout_s=0.5s"),
+    ],
+)
+def test_what_does_not_fit_is_aborted_naming_why(store, case, why):
+    """Each of these falls back to the rescue and restart path: the survivors read the abort."""
+    r = _roster(store, timeout_s=0.5)
+    if case != "no spare":
+        member = _spare(r)
+        if case == "spare gone":  # it died while it waited: never handed out
+            r.gone(member)
+    r.report(0, 0, 7)
+    if case == "in a save":
+        r.report(0, 2, None, "inside a checkpoint save")
+    elif case == "different steps":
+        r.report(0, 2, 8)
+    elif case != "no report":
+        r.report(0, 2, 7)
+    first = r.death(0, 1, "SIGKILL")
+    if case == "two deaths":
+        assert r.death(0, 2, "SIGKILL") == 2  # the second host aborts; the first one's decide sees it too
+    t0 = time.monotonic()
+    assert r.decide(0, 1, "SIGKILL", detected=0.0) == {"abort": why}
+    assert time.monotonic() - t0 < 2.0  # within the bound (0.5 s) and the poll
+    assert first == 1 and r.await_decision(0) == {"abort": why}
+    assert not any(store.check([Roster.assignment(m)]) for m in range(3) if case != "no spare")
+
+
+def test_a_survivor_that_waits_past_the_bound_aborts_and_a_late_plan_loses(store):
+    r = _roster(store, timeout_s=0.3)
+    spare = _spare(r)
+    t0 = time.monotonic()
+    assert r.await_decision(0) == {"abort": "no decision within parallel.recovery_timeout_s=0.3s"}
+    assert time.monotonic() - t0 < 2.0
+    r.report(0, 0, 7)
+    r.report(0, 2, 7)
+    r.death(0, 1, "SIGKILL")
+    assert "abort" in r.decide(0, 1, "SIGKILL", detected=0.0)  # the abort stood: nobody joins a new group
+    assert not store.check([Roster.assignment(spare)])
+
+
+def test_the_end_of_the_run_tells_every_waiting_spare_to_exit(store):
+    r = _roster(store)
+    a, b = _spare(r), _spare(r)
+    r.report(0, 0, 3)
+    r.report(0, 2, 3)
+    r.death(0, 1, "SIGKILL")
+    assert r.decide(0, 1, "SIGKILL", 0.0)["plan"]["spare"] == a
+    r.close("the run is over")
+    assert json.loads(store.get(Roster.assignment(b))) == {"exit": "the run is over"}
+    late = r.member()
+    assert not r.register(late)  # one that registers after the end sees it
+
+
+def _record(n=1, **change) -> dict:
+    rec = {"kind": "in_process", "attempt": 0, "n": n, "dead_rank": 1, "spare": 2, "step": 10,
+           "lost_steps": 0, "failure_source": "fault_marker", "at": {"failure": 1.0, "first_step": 1.3},
+           "seconds": {"first_step": 0.3}, "total_seconds": 0.3}  # fmt: skip
+    return {**rec, **change}
+
+
+def test_recovery_records_are_read_as_untrusted_input(tmp_path, caplog):
+    store = Storage(str(tmp_path))
+    store.write_bytes(record_name(0, 1), json.dumps(_record()).encode())
+    store.write_bytes(record_name(0, 2), json.dumps(_record(n=2, seconds={"first_step": "x"})).encode())
+    store.write_bytes(record_name(1, 3), json.dumps(_record(n=4)).encode())  # the name says 3
+    assert [r["n"] for r in Recoveries(store).records()] == [1]
+    assert sorted(os.listdir(tmp_path / "recoveries"))[0] == "attempt0000-001.json"
+    assert sum(".malformed-" in n for n in os.listdir(tmp_path / "recoveries")) == 2
+    with pytest.raises(RecordError, match="'kind'"):
+        check_record(json.dumps(_record(kind="restart")).encode(), "x")
+
+
+# -- a spare process ------------------------------------------------------------------------------
+def _spare_process(c, ctx, port: int, pipe: int) -> None:
+    """A spare as a host forks it (goodput.run.spares._child), in a spawned process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for k in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    from goodput.run.spares import Member, Spares
+    from goodput.run.worker import worker
+
+    worker(c, ctx, Member(Spares(1, 10.0), member=5, pipe=pipe, world=2, waiting=True))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and its children alive now (its DataLoader workers), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_a_waiting_spare_costs_no_cpu_and_exits_when_the_run_ends(tmp_path, tcp, store):
+    """Built (model, optimizer, DDP's buckets settled, two DataLoader workers forked), a spare waits
+    on the store: over 2 s it and its workers use under 2 % of one core. Told the run is over, it
+    exits 0 without ending the MLflow run (it never was a rank)."""
+    import multiprocessing as mp
+
+    from helpers import compose_train, process_state_kept
+
+    from goodput.run import job
+
+    port = tcp.port
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", "parallel=ddp", "data.num_workers=2"])
+    with process_state_kept():
+        c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+    r, w = os.pipe()
+    proc = mp.get_context("spawn").Process(target=_spare_process, args=(c, ctx, port, w))
+    try:
+        proc.start()
+        roster = Roster(store, 2, 10.0)
+        deadline = time.monotonic() + 120
+        while not store.check(["spares/0"]) and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.check(["spares/0"]) and int(store.get("spares/0")) == 5, "the spare never got ready"
+        time.sleep(1.0)  # settled: what the build left behind (its workers' start) is done
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        assert len(_children(proc.pid)) >= 2  # its DataLoader workers, forked and parked
+        time.sleep(2.0)
+        used = _cpu_seconds(proc.pid) - before
+        assert used < 0.02 * (time.monotonic() - t0), f"a waiting spare used {used:.3f} CPU seconds in 2 s"
+        roster.close("the run is over")
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        lock.release()
+        if proc.is_alive():
+            proc.kill()
+        os.close(r)
+        os.close(w)
+
+
+def _ranks(t) -> dict:
+    """Every `rank` a component of the Trainer holds, and what else follows the rank."""
+    out = {name: part.rank for name, part in vars(t).items() if hasattr(part, "rank")}
+    out["dist"] = t.dist.rank
+    out["val_batches"] = list(t.val_loader.batch_sampler)
+    out["tracker"] = t.tracker.enabled
+    out["rescue"] = (t.rescue.rank, t.step.guard.rescue is t.rescue)
+    out["profiler"] = t.profiler.rank
+    out["slow_s"] = t.faults.slow_s
+    return out
+
+
+def test_a_spare_built_for_one_rank_takes_another_as_if_built_for_it(tmp_path, dist1):
+    """Trainer.rebind: whatever was built for a rank is rebuilt for the rank the spare takes, as
+    a Trainer built for that rank has it (a part added to the Trainer later that holds a rank and
+    is left out of rebind fails here)."""
+    from helpers import compose_train, process_state_kept
+
+    from goodput.parallel import Dist
+    from goodput.run import job
+    from goodput.run.build import Trainer
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", "parallel=ddp", "fault.slow_rank=0"])
+    with process_state_kept():
+        c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+        try:
+            at = lambda r: Dist(r, 2, 0, dist1.device, dist1.ckpt_pg, dist1.init_timeout_s)  # noqa: E731
+            built, spare = Trainer(c, ctx, at(0)), Trainer(c, ctx, at(1))
+            assert _ranks(spare) != _ranks(built)
+            spare.rebind(at(0))
+            assert _ranks(spare) == _ranks(built)
+            for t in (built, spare):
+                t.close()
+                t.tracker.close("KILLED", None)
+        finally:
+            lock.release()
+
+
+def _loader(folder, cache_dir, rank=0, world=1, workers=2):
+    import torch
+
+    from goodput.data.config import DataConfig
+    from goodput.data.loader import ResumableLoader
+
+    cfg = DataConfig(
+        source={"_target_": "goodput.data.sources.CachedSource"}, root=folder, cache_dir=str(cache_dir),
+        image_size=16, num_workers=workers, prefetch_factor=2, prefetch_steps=3,
+    )  # fmt: skip
+    return ResumableLoader(cfg, Storage(folder), 5, 4, 6, rank, world, torch.device("cpu"))
+
+
+def test_a_parked_loader_delivers_what_a_started_one_does_on_the_workers_it_forked(folder, tmp_path):
+    """A spare's loader forks its workers with no position (park); given the rank and step it
+    learns later, it delivers the same batches as a loader started there, on the same workers (its
+    first batch made by both of them, a sample each: merged, it is the same batch)."""
+    import torch
+
+    ref = _loader(folder, tmp_path / "a", rank=1, world=2)
+    ref.step = 2
+    want = [next(ref) for _ in range(2)]
+    ref.close()
+    spare = _loader(folder, tmp_path / "b", rank=0, world=2)  # built for another rank
+    spare.park()
+    workers = spare._dl
+    assert len(_children(os.getpid())) >= 1 and workers is not None
+    spare.rank = 1
+    spare.start_at(2)
+    spare.step = 2
+    got = [next(spare) for _ in range(2)]
+    assert spare._dl is workers  # no new DataLoader: the parked workers took the position
+    for a, b in zip(want, got):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["image"], b["image"])
+    spare.close()
+
+
+def test_the_step_in_flight_is_delivered_again_without_new_workers(folder, tmp_path):
+    """keep_last: the loader's state one step back (the survivors' rewind) delivers the same batch
+    again from the copy it kept; the order hash is the one of a loader that never went back."""
+    import torch
+
+    ref = _loader(folder, tmp_path / "a")
+    for _ in range(3):
+        next(ref)
+    chain = ref.chain.hexdigest
+    ref.close()
+    ld = _loader(folder, tmp_path / "b")
+    ld.keep_last = True
+    next(ld)
+    boundary = ld.state_dict()  # the end of step 1
+    workers = ld._dl
+    in_flight = next(ld)  # step 2's batch: its step fails
+    ld.load_state_dict(boundary)
+    again = next(ld)
+    assert ld._dl is workers  # the same workers: none restarted
+    assert torch.equal(again["index"], in_flight["index"]) and torch.equal(again["image"], in_flight["image"])
+    next(ld)
+    assert ld.chain.hexdigest == chain
+    ld.close()
+
+
+def test_the_planner_counts_in_process_recoveries_as_failures_that_lost_the_step_in_flight(tmp_path):
+    """advise (given the checkpoint dir): each in-process recovery's failure-to-first-step is a
+    measured restart cost beside the attempt records' gaps, and a failure that lost one step."""
+    from goodput.calculator.advise import in_process, rescued, restart_cost
+
+    store = Storage(str(tmp_path))
+    for n, total in ((1, 0.3), (2, 0.5)):
+        store.write_bytes(record_name(0, n), json.dumps(_record(n=n, total_seconds=total)).encode())
+    store.write_bytes(record_name(0, 3), b"{not json")  # left out, not moved: the planner only reads
+    spared = in_process(str(tmp_path))
+    assert [r["n"] for r in spared] == [1, 2] and (tmp_path / record_name(0, 3)).exists()
+    records = [{"attempt": 0, "start": 0.0, "startup": 1.0, "last_seen": 50.0},
+               {"attempt": 1, "start": 51.0, "startup": 1.1, "resumed_kind": "rescue"}]  # fmt: skip
+    m = {"goodput/restarts": 3, "goodput/lost_seconds": 3.0, "goodput/productive_seconds": 100.0}
+    r = restart_cost(m, steps=200, records=records, spared=spared)
+    assert r["restart_seconds"] == pytest.approx((2.1 + 0.3 + 0.5) / 3)
+    assert "in-process recoveries onto a spare: failure to first step (2)" in r["restart_source"]
+    p = rescued(str(tmp_path), records, spared)
+    assert p["rescue_probability"] == 1.0 and p["rescue_restarts"] == 3
+
+
+def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, caplog):
+    """At compose time: no spare without the rescue's boundary or without survivors. At launch:
+    none under an outside launcher (its agent stops every rank) or a strategy that shards (no
+    survivor holds the dead rank's shard), each said once; the run goes on without."""
+    from types import SimpleNamespace
+
+    from helpers import check_config_change, compose_train
+    from omegaconf import OmegaConf
+
+    from goodput.parallel import LAUNCHER_ENV
+    from goodput.run.spares import Spares, settings
+
+    for k in LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    c = OmegaConf.to_container(
+        compose_train(["paths.root=/x", "experiment=smoke", "parallel=ddp"]), resolve=True
+    )
+    check_config_change(c, {"parallel": {"spares": 1}}, None)
+    check_config_change(c, {"parallel": {"spares": 1}, "checkpoint": {"rescue": False}},
+                        "parallel.spares=1 needs checkpoint.rescue=true")  # fmt: skip
+    check_config_change(c, {"parallel": {"spares": 1, "nproc_per_node": 1}},
+                        "a spare takes a dead rank's place among survivors")  # fmt: skip
+    check_config_change(c, {"parallel": {"spares": -1}}, "parallel.spares must be an int >= 0, got -1")
+
+    def par(target):
+        node = {"spares": 1, "recovery_timeout_s": 5.0, "strategy": {"_target_": target}}
+        return SimpleNamespace(parallel=SimpleNamespace(**node))
+
+    assert settings(par("goodput.parallel.DDP")) == Spares(1, 5.0)
+    for target in ("goodput.parallel.FSDP", "goodput.parallel.HSDP"):
+        assert settings(par(target)) is None
+        assert f"not started under parallel.strategy {target}: no survivor holds" in caplog.text
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert settings(par("goodput.parallel.DDP")) is None
+    assert "not started under an outside launcher" in caplog.text
+
+
+def test_a_member_that_never_joins_the_new_group_costs_the_bound_not_a_hang(tcp):
+    """The survivors form the next generation's group with a spare that died on its way (or any
+    member that never comes): joining it fails after parallel.recovery_timeout_s, and the survivor
+    falls back (its rescue of the same boundary). A process of its own: the group is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time, torch.distributed as dist\n"
+        "from datetime import timedelta\n"
+        "from goodput.parallel import join_generation\n"
+        f"base = dist.TCPStore('127.0.0.1', {tcp.port}, None, False, timeout=timedelta(seconds=30))\n"
+        "store = dist.PrefixStore('goodput/restart0/spares/gen1/pg/', base)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    join_generation(store, 0, 2, 0, 2.0, 60.0)\n"
+        "except Exception as e:\n"
+        "    print('failed after %.1f s: %s' % (time.monotonic() - t0, type(e).__name__))\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    took = float(p.stdout.split("failed after ")[1].split(" s")[0])
+    assert 1.5 <= took < 10.0
