@@ -37,10 +37,43 @@ def entry_env() -> dict:
 
 
 def start_train(cmd: list[str], out) -> subprocess.Popen:
-    """Start `cmd` (see train_cmd) in its own session, so a test can signal its whole process group."""
+    """Start `cmd` (see train_cmd) in its own session, so a test can signal its whole process group.
+    faulthandler is on in it (and in the workers it forks): `dump_stacks` makes a stuck run say where."""
+    env = {**entry_env(), "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(
-        cmd, cwd=REPO, env=entry_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
     )
+
+
+def dump_stacks(p: subprocess.Popen, log: Path) -> str:
+    """A run started by start_train that a test gave up on: SIGABRT to each process of its group in
+    turn, the started one last (each writes its threads' stacks to the log through faulthandler and
+    dies: one at a time, so the dumps do not interleave), and the log's tail for the failure message."""
+    import signal
+    import time
+
+    def group() -> list[int]:
+        pids = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == p.pid:  # the process group id
+                pids.append(int(stat.split("/")[2]))
+        return sorted(pids, key=lambda pid: pid == p.pid)
+
+    for pid in group():
+        try:
+            os.kill(pid, signal.SIGABRT)
+            time.sleep(0.5)
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    return Path(log).read_text()[-30000:]
 
 
 def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, experiment: str = "smoke"):

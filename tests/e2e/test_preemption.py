@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_train, start_train, train_cmd
+from helpers import dump_stacks, run_train, start_train, train_cmd
 from mlflow.tracking import MlflowClient
 
 from goodput.checkpoint.layout import local_commits
@@ -39,7 +39,8 @@ def interrupt(root: Path, sig: signal.Signals, *overrides: str, timeout: float =
         deadline = time.monotonic() + timeout
         while not committed_steps(root):
             assert p.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint committed in time"
+            if time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint committed in {timeout} s; its stacks:\n{dump_stacks(p, log)}")
             time.sleep(0.05)
         (os.killpg if group else os.kill)(p.pid, sig)
         try:
