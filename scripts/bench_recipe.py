@@ -5,7 +5,8 @@ its parts costs per step.
     python scripts/bench_recipe.py --only accuracy --steps 300 1200
     python scripts/bench_recipe.py --only cost --cost-steps 40
 
-Part 1 (accuracy): experiment=demo and experiment=recipe trained for the same numbers of steps
+Part 1 (accuracy): experiment=demo and experiment=recipe (also without its repeated augmentation)
+trained for the same numbers of steps
 (`--steps`; the recipe's max_epochs replaced by max_steps, its warm-up still one epoch), on two
 datasets: the demo shapes (10 classes x 500 training images) and a harder one generated the same
 way with a fifth of the images (10 x 100: overfitting, where the recipe's regularization should
@@ -74,6 +75,11 @@ def accuracy(steps: list[int], data_dir: str, timeout: float, datasets: dict) ->
             configs = (
                 ("demo", ["experiment=demo"]),
                 ("recipe", ["experiment=recipe", "trainer.max_epochs=null"]),
+                # repeated augmentation at equal steps: 1/4 of the distinct images on one process
+                (
+                    "recipe, repeated_augment=1",
+                    ["experiment=recipe", "trainer.max_epochs=null", "data.repeated_augment=1"],
+                ),
             )
             for name, exp in configs:
                 with tempfile.TemporaryDirectory() as tmp:

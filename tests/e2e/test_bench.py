@@ -238,8 +238,8 @@ def test_bench_data_smoke(tmp_path):
 
 
 def test_bench_recipe_smoke(tmp_path):
-    """bench_recipe.py at a tiny size: a cost row against the plain one, and an accuracy pair, in
-    its JSON (the numbers themselves are docs/benchmarks.md's, measured on a quiet machine)."""
+    """bench_recipe.py's cost part at a tiny size: a row against the plain one in its JSON, and its
+    chart (the numbers themselves are docs/benchmarks.md's; the accuracy part is the same runs, longer)."""
     out = tmp_path / "bench"
     run_script(
         "bench_recipe.py", "--only", "cost", "--cost-steps", "2", "--parts", "mixup", "--out", str(out)
