@@ -2,11 +2,11 @@
 its parts costs per step.
 
     python scripts/bench_recipe.py                        # both parts (about 40 min on 2 CPU cores)
-    python scripts/bench_recipe.py --only accuracy --steps 300 1200
+    python scripts/bench_recipe.py --only accuracy --steps 300 1200 --arms recipe
     python scripts/bench_recipe.py --only cost --cost-steps 40
 
-Part 1 (accuracy): experiment=demo and experiment=recipe (also without its repeated augmentation)
-trained for the same numbers of steps
+Part 1 (accuracy): experiment=demo and experiment=recipe (also without its repeated augmentation,
+and that without each other part in turn: `--arms` picks rows) trained for the same numbers of steps
 (`--steps`; the recipe's max_epochs replaced by max_steps, its warm-up still one epoch), on two
 datasets: the demo shapes (10 classes x 500 training images) and a harder one generated the same
 way with a fifth of the images (10 x 100: overfitting, where the recipe's regularization should
@@ -49,7 +49,7 @@ PARTS = {
     "augment=ta_wide": ["augment=ta_wide"],
     "label smoothing 0.1": ["task.loss.label_smoothing=0.1"],
     "mixup_cutmix": ["batch_augment=mixup_cutmix"],
-    "EMA (every 4 steps)": ["trainer.ema_decay=0.998", "trainer.ema_every_n_steps=4", "trainer.eval_on=ema"],
+    "EMA (every 2 steps)": ["trainer.ema_decay=0.95", "trainer.ema_every_n_steps=2", "trainer.eval_on=ema"],
     "norm_weight_decay=0": ["optim.norm_weight_decay=0.0"],
     "repeated_augment=4": ["data.repeated_augment=4"],
     "train crop 28": ["data.train_crop_size=28"],
@@ -68,28 +68,42 @@ def run(root: str, overrides: list[str], timeout: float) -> dict:
     return json.loads(found[-1].read_text())
 
 
-def accuracy(steps: list[int], data_dir: str, timeout: float, datasets: dict) -> list[dict]:
+RECIPE = ["experiment=recipe", "trainer.max_epochs=null"]
+NO_RA = [*RECIPE, "data.repeated_augment=1"]
+# part 1's configurations; the "-" rows take one part out of the recipe without repeated augmentation
+ARMS = {
+    "demo": ["experiment=demo"],
+    "recipe": RECIPE,
+    # repeated augmentation at equal steps: 1/4 of the distinct images on one process
+    "recipe, repeated_augment=1": NO_RA,
+    "  - ta_wide (augment=standard)": [*NO_RA, "augment=standard"],
+    "  - label smoothing": [*NO_RA, "task.loss.label_smoothing=0.0"],
+    "  - mixup_cutmix": [*NO_RA, "batch_augment=none"],
+    "  - EMA (eval_on=model)": [*NO_RA, "trainer.eval_on=model"],
+    "  - train crop 28 (32 / 32 / 32)": [*NO_RA, "data.train_crop_size=32", "data.val_resize_size=32"],
+    "  - norm_weight_decay=0": [*NO_RA, "optim.norm_weight_decay=null"],
+}
+
+
+def accuracy(steps: list[int], data_dir: str, timeout: float, datasets: dict, arms: dict) -> list[dict]:
     rows = []
     for data, extra in datasets.items():
         for n in steps:
-            configs = (
-                ("demo", ["experiment=demo"]),
-                ("recipe", ["experiment=recipe", "trainer.max_epochs=null"]),
-                # repeated augmentation at equal steps: 1/4 of the distinct images on one process
-                (
-                    "recipe, repeated_augment=1",
-                    ["experiment=recipe", "trainer.max_epochs=null", "data.repeated_augment=1"],
-                ),
-            )
-            for name, exp in configs:
+            for name, exp in arms.items():
                 with tempfile.TemporaryDirectory() as tmp:
-                    log(f"accuracy: {name}, {data}, {n} steps")
+                    log(f"accuracy: {name.strip()}, {data}, {n} steps")
                     t0 = time.time()
                     s = run(tmp, [*exp, f"trainer.max_steps={n}", "trainer.eval_every_n_steps=0",
                                   f"paths.data_dir={data_dir}/{len(rows)}", *extra], timeout)  # fmt: skip
                     rows.append({"data": data, "steps": n, "config": name, "val_accuracy": s["val_accuracy"],
                                  "wall_s": round(time.time() - t0, 1), "images": n * 128})  # fmt: skip
     return rows
+
+
+def chosen(names, words: str | None) -> list:
+    """The first of `names` (the baseline) and those containing one of the comma-separated `words`."""
+    w = [x for x in (words or "").split(",") if x]
+    return [k for i, k in enumerate(names) if i == 0 or not w or any(x in k for x in w)]
 
 
 def cost(steps: int, timeout: float, parts: dict) -> list[dict]:
@@ -120,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--parts", help="part 2's rows whose name contains one of these (comma-separated)")
     p.add_argument("--datasets", type=int, default=len(DATASETS), help="part 1: the first N datasets")
+    p.add_argument("--arms", help="part 1's rows whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench"))
     a = p.parse_args(argv)
     out: dict = {
@@ -130,17 +145,13 @@ def main(argv=None) -> int:
     if a.only in (None, "accuracy"):
         with tempfile.TemporaryDirectory() as data:
             datasets = dict(list(DATASETS.items())[: a.datasets])
-            out["accuracy"] = accuracy(a.steps, data, a.timeout, datasets)
+            arms = {k: ARMS[k] for k in chosen(ARMS, a.arms)}
+            out["accuracy"] = accuracy(a.steps, data, a.timeout, datasets, arms)
         print(markdown_table(["data", "steps", "config", "val accuracy", "wall s"],
                              [[r["data"], r["steps"], r["config"], f"{r['val_accuracy']:.3f}", r["wall_s"]]
                               for r in out["accuracy"]]))  # fmt: skip
     if a.only in (None, "cost"):
-        chosen = [w for w in (a.parts or "").split(",") if w]
-        parts = {
-            k: v
-            for i, (k, v) in enumerate(PARTS.items())
-            if i == 0 or not chosen or any(w in k for w in chosen)
-        }
+        parts = {k: PARTS[k] for k in chosen(PARTS, a.parts)}
         out["cost"] = cost(a.cost_steps, a.timeout, parts)
         print(markdown_table(["part", "images/s", "vs plain", "waiting for data"],
                              [[r["part"], f"{r['images_per_s']:.0f}", f"{r['vs_plain']:.2f}",
