@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -721,3 +722,49 @@ def test_a_prefetch_of_cached_files_starts_one_thread(data_root, tmp_path):
     src.close()
     assert len(threads) == 1
     assert src.stats()["data/prefetched_files"] == 0 and not src._inflight
+
+
+def test_workers_forked_while_another_thread_is_in_tempfiles_first_call_deliver(
+    data_root, tmp_path, monkeypatch
+):
+    """Seen in CI and in a suite run here (py-spy): a DataLoader worker forked while another thread
+    (MLflow's upload thread, writing a temp file) was inside tempfile's first gettempdir() inherited
+    tempfile's module lock held, and waited forever for the temp dir that handing its first batch to
+    the main process needs: the run made no step until the test gave up. The loader settles the temp
+    dir before it forks (settle_before_fork; without it this test times out)."""
+    import tempfile
+    import threading
+
+    # the first call still to come, as at a job's start (and no multiprocessing temp dir made yet;
+    # the names of temp files already drawn, as by any temp file before: no other wait on the lock)
+    tempfile._get_candidate_names()
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.delitem(mp.current_process()._config, "tempdir", raising=False)
+    held, forked = threading.Event(), threading.Event()
+
+    def first_call_elsewhere():  # a thread inside tempfile's first gettempdir() as the workers fork
+        with tempfile._once_lock:
+            held.set()
+            forked.wait(3)  # the fix waits for it to end (3 s); without it the fork comes first
+
+    th = threading.Thread(target=first_call_elsewhere, daemon=True)
+    th.start()
+    held.wait(10)
+    ld = loader(data_root, tmp_path, workers=2)
+    ld.start_at(0)  # forks the workers
+    forked.set()
+    got: list = []
+    take = threading.Thread(target=lambda: got.append(images(ld, 3)), daemon=True)
+    take.start()
+    take.join(60)
+    stuck = take.is_alive()
+    # stuck: free the main process's wait (the workers die, the loader raises in `take`; torch's
+    # SIGCHLD handler reports the kill in this thread)
+    with contextlib.suppress(RuntimeError):
+        for w in ld._it.it._workers if stuck else ():
+            os.kill(w.pid, signal.SIGKILL)
+        take.join(30)
+        ld.close()
+    th.join(10)
+    assert not stuck, "a worker waited for tempfile's lock, held by a thread of its parent at the fork"
+    assert got and len(got[0]) == 3

@@ -18,6 +18,7 @@ import logging
 import multiprocessing.sharedctypes
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -119,12 +120,28 @@ def frozen_for_fork():
             gc.unfreeze()
 
 
+def settle_before_fork() -> None:
+    """What a forked worker needs that sits behind a lock another thread of this process may hold.
+
+    A fork copies a lock in the state it has at that instant; a lock another thread held then is
+    held for good in the child. tempfile computes its directory once, under a module lock, on the
+    first call: the MLflow upload thread writes a temp file as the workers fork, and a worker then
+    waited forever for the temp dir its first batch needs (tensors go to the main process by file
+    descriptor, through multiprocessing's resource sharer, which listens on a socket in a temp dir).
+    Computed here, the directory is inherited and the lock is never taken again; so are the random
+    temp names (the same lock guards their first draw: private, hence the getattr)."""
+    tempfile.gettempdir()
+    getattr(tempfile, "_get_candidate_names", lambda: None)()
+
+
 class QuietWorkersLoader(DataLoader):
     """A DataLoader whose workers ignore preemption signals from their first instruction (the
-    signals are blocked while the iterator forks them, closing the window before worker_init_fn)
-    and leave alone what they inherited (frozen_for_fork)."""
+    signals are blocked while the iterator forks them, closing the window before worker_init_fn),
+    leave alone what they inherited (frozen_for_fork) and find no lock they need held
+    (settle_before_fork)."""
 
     def __iter__(self):
+        settle_before_fork()
         with signals_blocked(), frozen_for_fork():
             return _PlainErrors(super().__iter__(), self._release)
 
