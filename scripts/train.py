@@ -26,6 +26,7 @@ from omegaconf import DictConfig  # noqa: E402
 from goodput import logs, targets  # noqa: E402
 from goodput.errors import UserError  # noqa: E402
 from goodput.resilience.lock import RunLocked  # noqa: E402
+from goodput.run.progress import done_line  # noqa: E402
 
 log = logging.getLogger("goodput")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -73,13 +74,7 @@ def main(cfg: DictConfig) -> dict | None:
             shlex.join(sys.argv),
         )  # fmt: skip
         return summary  # the Optuna sweeper reads `preempted` from it
-    log.info(
-        "done: %d steps, loss %.4f, val accuracy %s, goodput %.1f%%",
-        summary["steps"],
-        summary["final_loss"],
-        summary["val_accuracy"],
-        100 * summary["goodput"]["goodput"],
-    )
+    log.info("%s", done_line(summary))
     return summary
 
 

@@ -149,11 +149,15 @@ def test_multilabel_trains_evaluates_predicts_and_keeps_its_best(tmp_path, one_p
     and mAP, predict.py's labels per image (several, joined by ';')."""
     import runpy
 
+    from goodput.run.progress import done_line
+
     summary, c = run_job_here(
         tmp_path, "task=multilabel", "trainer.max_steps=16", "trainer.eval_every_n_steps=8",
         "checkpoint.keep_best_by=val/macro_f1", "trainer.global_batch_size=32",
     )  # fmt: skip
     assert {"val/macro_f1", "val/micro_f1", "val/mAP", "val/accuracy"} <= set(summary["val"])
+    last = done_line(summary)  # the job's last line names the task's metrics, not accuracy alone
+    assert f"mAP {summary['val']['val/mAP']:.4g}" in last and "macro_f1 " in last and "class/" not in last
     assert summary["best_step"] in (8, 16) and summary["best_value"] == pytest.approx(
         summary["val"]["val/macro_f1"] if summary["best_step"] == 16 else summary["best_value"]
     )

@@ -73,3 +73,18 @@ def duration(seconds: float) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def done_line(summary: dict) -> str:
+    """The job's last line for a finished run: steps, the final loss, the task's headline validation
+    metrics (every `val/<name>` the last evaluation gave but the loss and per-class entries: accuracy
+    and top-5 for classification; accuracy (exact match), F1 and mAP for multilabel; a metric of
+    your own too) and goodput."""
+    val = [
+        f"{k[4:]} {v:.4g}"
+        for k, v in (summary.get("val") or {}).items()
+        if k != "val/loss" and k.count("/") == 1
+    ]
+    shown = " ".join(val) or "not evaluated"
+    g = 100 * summary["goodput"]["goodput"]
+    return f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, val {shown}, goodput {g:.1f}%"
