@@ -22,9 +22,9 @@ relaunch: goodput.tracking.Tracker.close).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import tempfile
 import threading
 from typing import TYPE_CHECKING
 
@@ -95,29 +95,12 @@ def bounded(fn, timeout_s: float, what: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def fluent_store(uri: str):
-    """MLflow's fluent API (mlflow.start_run, log_model) pointed at `uri` for the block.
-    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI, which the config reads
-    (`mlflow.tracking_uri: ${oc.env:MLFLOW_TRACKING_URI,...}`): left set, the next job in this
-    process (a -m sweep's, on Hydra's basic launcher) took this run's store for its own. Put back."""
-    import mlflow
-
-    before = os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = before
-
-
 def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
-    import mlflow
     import mlflow.pytorch
-    from mlflow.models import infer_signature
+    from mlflow import MlflowClient
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus, RunTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model, infer_signature
 
     rec = next((r for r in ckpt.committed() if r["step"] == step), None)
     if rec is None:
@@ -135,27 +118,57 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
             "weights": source, "eval_on": eval_on}  # fmt: skip
     # MLflow warns on every pickled model; pickling is this module's documented choice (docstring).
     pickled = logs.known_log_line("mlflow.pytorch", "Saving pytorch model by Pickle")
-    with fluent_store(c.mlflow.tracking_uri), mlflow.start_run(run_id=run_id), pickled:
-        info = mlflow.pytorch.log_model(
-            model,
-            name="model",
-            signature=infer_signature(x, y),
-            input_example=x,
-            serialization_format="pickle",  # an nn.Module when loaded (see the module docstring)
-            metadata={"goodput": spec.record()},
-            registered_model_name=registered_name,
-            # Given, not inferred: inference loads the model in a fresh interpreter (seconds).
-            pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
-            tags=tags,
-            step=step,
+    # Every call goes through one client of this run's store, none through MLflow's fluent API: its
+    # tracking URI is process-global, so an upload still going past timeout_s (abandoned, not
+    # stopped) would write its remaining calls to whatever store the process points at by then
+    # (the next job of a sweep's; MLflow's default ./mlflow.db).
+    client = MlflowClient(c.mlflow.tracking_uri)
+    run = client.get_run(run_id)
+    logged = client.create_logged_model(
+        run.info.experiment_id, name="model", source_run_id=run_id, tags=tags, params=run.data.params
+    )
+    model_uri = f"models:/{logged.model_id}"
+    record = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
+                   model_id=logged.model_id)  # fmt: skip
+    try:
+        client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=step)])
+        with tempfile.TemporaryDirectory(prefix="goodput-model-") as tmp, pickled:
+            path = os.path.join(tmp, "model")
+            mlflow.pytorch.save_model(
+                model,
+                path,
+                mlflow_model=record,
+                signature=infer_signature(x, y),
+                input_example=x,
+                serialization_format="pickle",  # an nn.Module when loaded (see the module docstring)
+                metadata={"goodput": spec.record()},
+                # Given, not inferred: inference loads the model in a fresh interpreter (seconds).
+                pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
+            )
+            client.log_model_artifacts(logged.model_id, path)
+    except BaseException:
+        client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        raise
+    client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    if registered_name:
+        try:
+            client.create_registered_model(registered_name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        # the artifacts' location as the source, not models:/<id>: the registry would look that
+        # up in the process-global store (MLflow's own TODO in its SQL registry store)
+        client.create_model_version(
+            registered_name, logged.artifact_location, run_id, tags=tags, model_id=logged.model_id
         )
-        mlflow.set_tags({f"model.{k}": v for k, v in tags.items()} | {"model.uri": info.model_uri})
+    run_tags = {f"model.{k}": v for k, v in tags.items()} | {"model.uri": model_uri}
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
     log.info(
         "MLflow model %s: %s weights of step %d (%s), model_sha256 %s",
-        info.model_uri,
+        model_uri,
         eval_on,
         step,
         source,
         sha,
     )
-    return info.model_uri
+    return model_uri

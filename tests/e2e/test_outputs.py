@@ -198,6 +198,53 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     mgr.close()
 
 
+def test_an_upload_abandoned_past_its_bound_finishes_in_its_own_runs_store(tmp_path, dist1, monkeypatch):  # noqa: F811
+    """The model's upload outlives log_model's bound (a slow artifact store); meanwhile the process
+    points MLflow at another store, as the next job of a -m sweep does. What the abandoned upload
+    still writes (the model's status, the run's tags, the registered version) goes to its own run's
+    store, and nothing to the other one (MLflow's fluent API resolves the process-global URI anew
+    at each call: the rest of the upload landed in the next job's store, or made ./mlflow.db)."""
+    import threading
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    from goodput import publish
+
+    mgr = manager(tmp_path, "dcp_sync", dist1)
+    app, *_ = make_app(3)
+    mgr.save(5, app)
+    mgr.wait()
+    c, run_id = _mlflow_run(tmp_path, "slow", str(tmp_path / "artifacts"))
+    uploading, release = threading.Event(), threading.Event()
+    upload = MlflowClient.log_model_artifacts
+
+    def slow_upload(self, *args, **kwargs):
+        uploading.set()
+        assert release.wait(60)
+        return upload(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_model_artifacts", slow_upload)
+    assert publish.log_model(c, run_id, mgr, torch.randn(2, 3, 16, 16), _spec(c), timeout_s=0.5) is None
+    assert uploading.wait(60)  # given up before the upload ends
+    other = tmp_path / "next-job"
+    other.mkdir()
+    monkeypatch.chdir(other)  # where MLflow's default store (./mlflow.db) would be made
+    mlflow.set_tracking_uri(f"sqlite:///{other}/mlflow.db")
+    release.set()
+    for th in [t for t in threading.enumerate() if t.name.startswith("mlflow: logging the model")]:
+        th.join(60)
+        assert not th.is_alive()
+    assert os.listdir(other) == []  # the other store was never even opened
+    client = MlflowClient(c.mlflow.tracking_uri)
+    tags = client.get_run(run_id).data.tags
+    assert tags["model.checkpoint_step"] == "5" and tags["model.uri"].startswith("models:/")
+    model = client.get_logged_model(tags["model.uri"].rsplit("/", 1)[-1])
+    assert str(model.status) == "READY" and model.source_run_id == run_id
+    assert client.get_registered_model("goodput-test").latest_versions[0].run_id == run_id
+    mgr.close()
+
+
 @pytest.mark.slow
 def test_best_early_stopping_and_the_logged_model_through_the_entry_point(tmp_path):
     """One config, run uninterrupted and killed + relaunched: both stop early at the same step with
