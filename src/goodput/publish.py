@@ -99,8 +99,8 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     import mlflow.pytorch
     from mlflow import MlflowClient
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus, RunTag
-    from mlflow.exceptions import MlflowException
     from mlflow.models import Model, infer_signature
+    from mlflow.tracking.context import registry as context_registry
 
     rec = next((r for r in ckpt.committed() if r["step"] == step), None)
     if rec is None:
@@ -125,13 +125,15 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
     client = MlflowClient(c.mlflow.tracking_uri)
     run = client.get_run(run_id)
     logged = client.create_logged_model(
-        run.info.experiment_id, name="model", source_run_id=run_id, tags=tags, params=run.data.params
-    )
+        run.info.experiment_id, name="model", source_run_id=run_id, params=run.data.params,
+        tags=context_registry.resolve_tags(tags),  # + who and what logged it, as MLflow's own does
+    )  # fmt: skip
     model_uri = f"models:/{logged.model_id}"
     record = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
                    model_id=logged.model_id)  # fmt: skip
     try:
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=step)])
+        _link_metrics(client, run, logged.model_id, step)  # the model's metrics in MLflow's UI
         with tempfile.TemporaryDirectory(prefix="goodput-model-") as tmp, pickled:
             path = os.path.join(tmp, "model")
             mlflow.pytorch.save_model(
@@ -147,22 +149,16 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
             )
             client.log_model_artifacts(logged.model_id, path)
     except BaseException:
-        client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        try:
+            client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        except Exception as e:  # (a broken store: the first error is the one to report)
+            log.debug("could not mark MLflow model %s failed: %r", logged.model_id, e)
         raise
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
-    if registered_name:
-        try:
-            client.create_registered_model(registered_name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-        # the artifacts' location as the source, not models:/<id>: the registry would look that
-        # up in the process-global store (MLflow's own TODO in its SQL registry store)
-        client.create_model_version(
-            registered_name, logged.artifact_location, run_id, tags=tags, model_id=logged.model_id
-        )
     run_tags = {f"model.{k}": v for k, v in tags.items()} | {"model.uri": model_uri}
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
+    if registered_name:
+        _register(client, registered_name, logged, run_id, tags)
     log.info(
         "MLflow model %s: %s weights of step %d (%s), model_sha256 %s",
         model_uri,
@@ -172,3 +168,40 @@ def _log(c, run_id, ckpt, step, source, registered_name, example, spec) -> str:
         sha,
     )
     return model_uri
+
+
+def _link_metrics(client, run, model_id: str, step: int) -> None:
+    """The run's metrics at the model's step, logged again with its model id: what the model's page
+    and `search_logged_models("metrics....")` read (MLflow's own log_model does the same)."""
+    from mlflow.entities import Metric
+
+    history = [m for key in run.data.metrics for m in client.get_metric_history(run.info.run_id, key)]
+    linked = [
+        Metric(m.key, m.value, m.timestamp, m.step, model_id, m.dataset_name, m.dataset_digest, m.run_id)
+        for m in history
+        if m.step == step and m.model_id is None
+    ]
+    if linked:
+        client.log_batch(run.info.run_id, metrics=linked)
+
+
+def _register(client, name: str, logged, run_id: str, tags: dict) -> None:
+    """A new version of registered model `name` (made if missing) from the logged model, on the
+    run's own client. Its source is the artifacts' location, not models:/<id>: the SQL registry
+    looks a models:/ source up in the process-global store (MLflow's own TODO there)."""
+    import json
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    version = client.create_model_version(name, logged.artifact_location, run_id, tags=tags,
+                                          model_id=logged.model_id)  # fmt: skip
+    # the logged model's page lists its versions from this tag (MLflow's register_model writes it)
+    versions = json.loads(client.get_logged_model(logged.model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    versions.append({"name": version.name, "version": version.version})
+    client.set_logged_model_tags(logged.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(versions)})

@@ -166,6 +166,7 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
     x = torch.randn(4, 3, 16, 16)
     c, run_id = _mlflow_run(tmp_path, "ok", str(tmp_path / "artifacts"))
     before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.MlflowClient(c.mlflow.tracking_uri).log_metric(run_id, "val/accuracy", 0.75, step=5)
     uri = publish.log_model(c, run_id, mgr, x[:2], _spec(c))
     assert uri is not None and uri.startswith("models:/")
     # the run's store is not left in the environment for the next job of this process (a sweep's)
@@ -188,7 +189,13 @@ def test_logged_model_reloads_with_the_same_outputs_and_a_broken_store_only_warn
               "task": c.task, "resize_size": None}  # fmt: skip
     assert loaded.goodput == record
     assert mlflow.models.get_model_info(uri).metadata == {"goodput": record}
-    assert mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions
+    version = mlflow.MlflowClient().get_registered_model("goodput-test").latest_versions[0]
+    assert version.run_id == run_id and mlflow.pytorch.load_model(f"models:/goodput-test/{version.version}")
+    # what MLflow's own log_model gives the model's page: its versions, the metrics at its step, who
+    listed = [{"name": "goodput-test", "version": version.version}]
+    assert json.loads(info.tags["mlflow.modelVersions"]) == listed
+    assert [(m.key, m.value, m.step) for m in info.metrics] == [("val/accuracy", 0.75, 5)]
+    assert "mlflow.user" in info.tags and str(info.status) == "READY"
 
     (tmp_path / "not-a-dir").write_text("")  # an artifact store that cannot be written
     c, run_id = _mlflow_run(tmp_path, "broken", str(tmp_path / "not-a-dir" / "artifacts"))
