@@ -51,6 +51,13 @@ class Dist:
     device: torch.device
     ckpt_pg: object  # gloo group used only by checkpoint collectives (async saves run on it)
     init_timeout_s: float = 600.0  # the bound on collectives until the first step is done
+    start_timeout_s: float | None = None  # the training groups' bound until then, where it is not
+    # init_timeout_s (a generation joined after a failure: parallel.recovery_timeout_s)
+
+    @property
+    def group_timeout(self) -> timedelta:
+        """The bound a training group made now gets, until the first step (set_collective_timeout)."""
+        return timedelta(seconds=self.start_timeout_s or self.init_timeout_s)
 
 
 def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Dist:
@@ -86,12 +93,14 @@ def init_distributed(timeout_s: float = 600, trace_dir: str | None = None) -> Di
     return Dist(rank, world, local_rank, device, ckpt_pg, timeout_s)
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """After the first step: a collective on the training group that waits longer than this for a
-    peer fails (a hung or dead rank then costs seconds, not gloo's 30 min default)."""
+def set_collective_timeout(seconds: float, groups=()) -> None:
+    """After the first step: a collective on the training groups (the default one, and `groups`:
+    the strategy's, Strategy.collective_groups) that waits longer than this for a peer fails (a
+    hung or dead rank then costs seconds, not gloo's 30 min default)."""
     import torch.distributed as dist
 
-    dist.set_timeout(timedelta(seconds=seconds))
+    for group in (None, *groups):
+        dist.set_timeout(timedelta(seconds=seconds), group)
 
 
 def join_generation(
@@ -121,7 +130,7 @@ def join_generation(
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=init_timeout_s))
-    return Dist(rank, world, local_rank, device, ckpt_pg, init_timeout_s)
+    return Dist(rank, world, local_rank, device, ckpt_pg, init_timeout_s, timeout_s)
 
 
 def flight_recorder_env(trace_dir: str) -> None:
@@ -210,6 +219,11 @@ class Single:
     """Whether every rank holds the whole state, so that one survivor can hand it to a spare that
     takes a dead rank's place, and the wrapper can move to the next generation's process group."""
 
+    def collective_groups(self) -> list:
+        """The process groups `wrap` made for the training collectives, beside the default group
+        (their collectives get the same bounds: set_collective_timeout)."""
+        return []
+
     def regroup(self, model: nn.Module) -> None:
         """The job's process groups were made again (a spare took a dead rank's place): point what
         `wrap` built at the new default group. Nothing is wrapped here."""
@@ -293,12 +307,15 @@ class FSDP(Single):
     # copy does, but its DTensors are bound to the device mesh's groups; not done: it falls back)
     _mesh = None  # built once (model and EMA share it): see device_mesh
 
+    def collective_groups(self) -> list:
+        return [] if self._mesh is None else self._mesh.get_all_groups()
+
     def device_mesh(self, d: Dist):
         """The ranks the parameters are sharded over: all of them, a 1-D mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
-            self._mesh = init_device_mesh(d.device.type, (d.world,))
+            self._mesh = _bounded(init_device_mesh(d.device.type, (d.world,)), d)
         return self._mesh
 
     def replica_group(self, rank: int, world: int) -> list[int]:
@@ -350,6 +367,16 @@ class FSDP(Single):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, enabled=enabled)
+
+
+def _bounded(mesh, d: Dist):
+    """`mesh`, its groups bounded as the default group is until the first step (a group made by
+    init_device_mesh gets the backend's default instead: 30 min for gloo)."""
+    import torch.distributed as dist
+
+    for group in mesh.get_all_groups():
+        dist.set_timeout(d.group_timeout, group)
+    return mesh
 
 
 def _units(model: nn.Module, plan) -> list[nn.Module]:
@@ -412,7 +439,8 @@ class HSDP(FSDP):
         if d.world % size:  # compose time refuses this (validate); an outside launcher can still differ
             raise ValueError(self.layout_errors(d.world, size)[0])
         shape = (d.world // size, size)
-        self._mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        self._mesh = _bounded(mesh, d)
         # One gloo group per replica group, made now while every rank is alive (making a group is a
         # collective): the group's own channel for checkpoint I/O, which a failure elsewhere leaves whole.
         timeout = timedelta(seconds=d.init_timeout_s)

@@ -140,32 +140,38 @@ def test_commit_timeout_must_fit_the_time_interval():
 
 PEER_GONE = """
 import os, sys, time, torch, torch.distributed as dist
-rank = int(sys.argv[1])
-os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-from goodput.parallel import init_distributed, set_collective_timeout
-init_distributed(timeout_s=60)
-dist.all_reduce(torch.ones(1))  # the first step: both ranks there
-set_collective_timeout(1.0)
-if rank == 1:
-    time.sleep(30)  # a hung peer
+rank, mesh = int(sys.argv[1]), sys.argv[3] == "mesh"
+world = 4 if mesh else 2
+os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+from goodput.parallel import HSDP, init_distributed, set_collective_timeout
+d = init_distributed(timeout_s=60)
+strategy = HSDP(shard_size=2)
+# hsdp's collectives run on the 2 x 2 mesh's groups, made by init_device_mesh: rank 0's shard group is [0, 1]
+group = strategy.device_mesh(d).get_group("shard") if mesh else None
+dist.all_reduce(torch.ones(1), group=group)  # the first step: every rank there
+set_collective_timeout(1.0, strategy.collective_groups())
+if rank > 0:
+    time.sleep(30)  # a hung peer (and, with the mesh, two bystanders)
     sys.exit(0)
 t0 = time.monotonic()
 try:
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1), group=group)
     print("completed", flush=True)
 except Exception as e:
     print(f"failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
 """
 
 
-def test_collectives_after_the_first_step_fail_within_the_collective_timeout():
+@pytest.mark.parametrize("group", ["default", "mesh"])
+def test_collectives_after_the_first_step_fail_within_the_collective_timeout(group):
+    """On the default group, and on the device mesh's groups hsdp trains on (made by
+    init_device_mesh with gloo's 30 min default, unless set_collective_timeout reaches them)."""
     from goodput.parallel import free_port
 
     port = str(free_port())
-    procs = [
-        subprocess.Popen([sys.executable, "-c", PEER_GONE, str(r), port], stdout=subprocess.PIPE, text=True)
-        for r in (0, 1)
-    ]
+    cmd = [sys.executable, "-c", PEER_GONE]
+    ranks = range(4 if group == "mesh" else 2)
+    procs = [subprocess.Popen([*cmd, str(r), port, group], stdout=subprocess.PIPE, text=True) for r in ranks]
     try:
         out, _ = procs[0].communicate(timeout=25)  # the init timeout (60 s) would not fit
     finally:

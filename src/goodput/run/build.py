@@ -310,7 +310,8 @@ class Trainer:
         """The loop calls this after every step: the watchdog's beat and the run's record."""
         self.watchdog.beat(step)
         if self.goodput.step_done(step):  # the first since this (re)start
-            set_collective_timeout(self.cfg.parallel.collective_timeout_s)  # warm-up is over
+            groups = self.step.strategy.collective_groups()  # warm-up is over
+            set_collective_timeout(self.cfg.parallel.collective_timeout_s, groups)
 
     def close(self) -> None:
         self.watchdog.stop()
