@@ -215,9 +215,18 @@ class Single:
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
     # -- in-process recovery onto a spare (parallel.spares, goodput.run.spares) ------------------
-    recovers_in_process = True
-    """Whether every rank holds the whole state, so that one survivor can hand it to a spare that
-    takes a dead rank's place, and the wrapper can move to the next generation's process group."""
+    def holders(self, rank: int, world: int) -> list[int]:
+        """The other ranks that hold everything `rank` holds of the training state (its parameters,
+        optimizer state and EMA, or its shard of them): one of them can hand it to a spare that
+        takes `rank`'s place. Here every rank holds the whole state. []: none (a failure of `rank`
+        takes the rescue or commit path)."""
+        return [r for r in range(world) if r != rank]
+
+    regroups_in_place = True
+    """Whether `regroup` can move what `wrap` built onto the next generation's process groups. False
+    (FSDP2: parameters and optimizer state are DTensors bound to the device mesh, whose groups end
+    with their generation): the Trainer builds model, EMA and optimizer again on the new mesh and
+    loads the boundary state into them (goodput.run.build.Trainer.regroup)."""
 
     def collective_groups(self) -> list:
         """The process groups `wrap` made for the training collectives, beside the default group
@@ -303,9 +312,11 @@ class FSDP(Single):
 
     distributed = True
     shards_parameters = True
-    recovers_in_process = False  # a dead rank's shard exists nowhere else (HSDP: its replica's
-    # copy does, but its DTensors are bound to the device mesh's groups; not done: it falls back)
+    regroups_in_place = False
     _mesh = None  # built once (model and EMA share it): see device_mesh
+
+    def holders(self, rank: int, world: int) -> list[int]:
+        return []  # a rank's shard exists nowhere else
 
     def collective_groups(self) -> list:
         return [] if self._mesh is None else self._mesh.get_all_groups()
@@ -429,6 +440,9 @@ class HSDP(FSDP):
         all-reduced among them (a column of the mesh; the replica group is its row)."""
         return list(range(rank % self.group_size(world), world, self.group_size(world)))
 
+    def holders(self, rank: int, world: int) -> list[int]:
+        return [r for r in self.shard_peers(rank, world) if r != rank]  # its replicas in the other groups
+
     def device_mesh(self, d: Dist):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -522,8 +536,10 @@ class ParallelConfig:
     spare builds the model, optimizer and loader, then waits without using the CPU; when a rank is
     killed, the survivors keep their processes, a spare takes its place in a new process group and
     one survivor sends it the state of the last finished step (goodput.run.spares, docs/parallelism.md).
-    What does not fit (no spare left, two ranks lost at once, a failure inside a save or an
-    evaluation, a hang, a sharded strategy) goes the way it goes with 0: a rescue and a restart.
+    Under hsdp the dead rank's shard comes from its replica in another replica group. What does not
+    fit (no spare left, two ranks lost at once, a failure inside a save or an evaluation, a hang,
+    fsdp or hsdp with one replica group: no survivor holds the dead rank's shard) goes the way it
+    goes with 0: a rescue and a restart.
     0 = no spares."""
 
     recovery_timeout_s: float = 30.0

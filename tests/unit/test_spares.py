@@ -55,6 +55,22 @@ def test_a_plan_hands_a_spare_the_dead_ranks_place_at_the_survivors_step(store):
     assert r.await_decision(0) == decision  # what every survivor reads
 
 
+def test_a_shard_comes_from_its_replica_and_a_shard_without_one_falls_back(store):
+    """hsdp, 2 replica groups x 2 shards: rank 3's shard is held by rank 1 (its column of the mesh),
+    not by rank 0, the lowest survivor; under fsdp no survivor holds it: the fall back, at once."""
+    from goodput.parallel import FSDP, HSDP
+
+    r = _roster(store, world=4)
+    _spare(r)
+    for rank in (0, 1, 2):
+        r.report(0, rank, 7)
+    assert r.decide(0, 3, "SIGKILL", 0.0, HSDP(shard_size=2).holders(3, 4))["plan"]["sender"] == 1
+    t0 = time.monotonic()
+    none = r.decide(1, 3, "SIGKILL", 0.0, FSDP().holders(3, 4))
+    assert none == {"abort": "no survivor holds rank 3's shard"}
+    assert time.monotonic() - t0 < 0.5  # no wait for the reports
+
+
 def test_the_decision_waits_for_a_survivor_that_reports_late(store):
     r = _roster(store)
     _spare(r)
@@ -258,6 +274,35 @@ def test_a_spare_built_for_one_rank_takes_another_as_if_built_for_it(tmp_path, d
             lock.release()
 
 
+def test_a_spare_of_a_sharded_strategy_allocates_no_weights_while_it_waits(tmp_path, dist1):
+    """parallel=hsdp: a spare cannot shard before it knows its rank (its mesh coordinates depend on
+    it), so it builds model, EMA and optimizer on the meta device: no weight allocated (a model
+    that needs sharding may not fit one device). Trainer.regroup builds them again on the mesh it
+    joins (through the entry point: e2e/test_hsdp_runs.py); a ddp spare builds on its device."""
+    from helpers import compose_train, process_state_kept
+
+    from goodput.parallel import Dist
+    from goodput.run import job
+    from goodput.run.build import Trainer
+
+    hsdp = ["parallel=hsdp", "parallel.nproc_per_node=4", "parallel.shard_size=2",
+            "parallel.oversubscribe=true"]  # fmt: skip
+    for layout, meta in ((hsdp, True), (["parallel=ddp"], False)):
+        cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", *layout, "trainer.ema_decay=0.9"])
+        with process_state_kept():
+            c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+            try:
+                d = Dist(1, c.parallel.nproc_per_node, 0, dist1.device, dist1.ckpt_pg, dist1.init_timeout_s)
+                t = Trainer(c, ctx, d, unsharded=True)
+                weights = [*t.model.parameters(), *t.step.ema.parameters()]
+                assert weights and all(w.is_meta == meta for w in weights), layout
+                assert t.regroups_in_place is not meta  # hsdp: built again when it joins
+                t.close()
+                t.tracker.close("KILLED", None)
+            finally:
+                lock.release()
+
+
 def _loader(folder, cache_dir, rank=0, world=1, workers=2):
     import torch
 
@@ -366,14 +411,24 @@ def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, capl
                         "a spare takes a dead rank's place among survivors")  # fmt: skip
     check_config_change(c, {"parallel": {"spares": -1}}, "parallel.spares must be an int >= 0, got -1")
 
-    def par(target):
-        node = {"spares": 1, "recovery_timeout_s": 5.0, "strategy": {"_target_": target}}
+    def par(target, nproc=2, collective_s=120.0, **options):
+        node = {"spares": 1, "recovery_timeout_s": 5.0, "strategy": {"_target_": target, **options},
+                "nproc_per_node": nproc, "collective_timeout_s": collective_s}  # fmt: skip
         return SimpleNamespace(parallel=SimpleNamespace(**node))
 
     assert settings(par("goodput.parallel.DDP")) == Spares(1, 5.0)
-    for target in ("goodput.parallel.FSDP", "goodput.parallel.HSDP"):
-        assert settings(par(target)) is None
-        assert f"not started under parallel.strategy {target}: no survivor holds" in caplog.text
+    # hsdp: a dead rank's shard has a replica in the other replica group
+    assert settings(par("goodput.parallel.HSDP", nproc=4, collective_s=2.0, shard_size=2)) == Spares(1, 5.0)
+    assert "gloo" not in caplog.text
+    for target, options in [("goodput.parallel.FSDP", {}), ("goodput.parallel.HSDP", {}),
+                            ("goodput.parallel.HSDP", {"shard_size": 4})]:  # fmt: skip
+        assert settings(par(target, nproc=4, **options)) is None  # (one replica group: fsdp's layout)
+        assert f"not started under parallel.strategy {target} on 4 ranks: no survivor holds" in caplog.text
+    # on gloo a survivor waiting on another survivor fails only at the collective timeout: said
+    assert settings(par("goodput.parallel.HSDP", nproc=4, collective_s=5.0, shard_size=2)) == Spares(1, 5.0)
+    assert "notices the failure only after parallel.collective_timeout_s=5s" in caplog.text
+    assert settings(par("goodput.parallel.DDP", nproc=3)) == Spares(1, 5.0)  # a ring waits on neighbours
+    assert "on CPU (gloo) with 3 ranks" in caplog.text
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert settings(par("goodput.parallel.DDP")) is None

@@ -131,11 +131,18 @@ class Roster:
         """Ask for the fall back; returns the decision that stands (a plan written first stays)."""
         return _json(self.store.compare_set(f"gen{gen}/decision", "", json.dumps({"abort": why})))
 
-    def decide(self, gen: int, dead: int, cause: str, detected: float) -> dict:
+    def decide(
+        self, gen: int, dead: int, cause: str, detected: float, holders: list[int] | None = None
+    ) -> dict:
         """The host of dead rank `dead` (the first death of generation `gen`): wait for every other
-        rank's report, at most `timeout_s`, then write the decision. Returns the decision that stands."""
+        rank's report, at most `timeout_s`, then write the decision. `holders`: the ranks that hold
+        all of `dead`'s state (Strategy.holders: under hsdp its shard's replicas; None: every other
+        rank); the lowest sends it to the spare. Returns the decision that stands."""
         deadline = time.monotonic() + self.timeout_s
         others = [r for r in range(self.world) if r != dead]
+        senders = others if holders is None else [r for r in holders if r in others]
+        if not senders:
+            return self.abort(gen, f"no survivor holds rank {dead}'s shard")
         states: dict[int, dict] = {}
         while True:
             if self.store.add(f"gen{gen}/dead", 0) > 1:
@@ -163,7 +170,7 @@ class Roster:
         if spare is None:
             return self.abort(gen, "no spare left")
         plan = {"gen": gen + 1, "world": self.world, "rank": dead, "spare": spare, "step": steps[0],
-                "sender": min(others), "cause": cause, "detected": detected}  # fmt: skip
+                "sender": min(senders), "cause": cause, "detected": detected}  # fmt: skip
         decision = _json(self.store.compare_set(f"gen{gen}/decision", "", json.dumps({"plan": plan})))
         if "plan" in decision:
             self.store.set("gen", str(gen + 1))

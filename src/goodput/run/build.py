@@ -104,7 +104,9 @@ def checkpoint_commits(c: Config) -> Commits:
 class Trainer:
     """Everything a rank trains with. Built twice only if a failed restore touched the state."""
 
-    def __init__(self, c: Config, ctx: RunContext, d, recovery: Recovery | None = None):
+    def __init__(
+        self, c: Config, ctx: RunContext, d, recovery: Recovery | None = None, unsharded: bool = False
+    ):
         self.cfg, self.ctx, self.dist = c, ctx, d
         recovery = recovery or Recovery()
         seed = c.seed
@@ -134,33 +136,18 @@ class Trainer:
         self.metric_modes = self.task.metric_modes(self.loader.num_classes)
 
         opts = StepOptions(**{k: getattr(tr, k) for k in STEP_KEYS})
-        dtype = PRECISIONS[str(opts.precision)]
-        model = instantiate(c.model, num_classes=self.loader.num_classes).to(d.device)
-        if opts.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        size = self.loader.dataset.image_size
-        shape = (3, size, size)  # RGB at the training resolution
-        # FLOPs counted on the meta device (nothing allocated), before a strategy wraps (FSDP
-        # shards the module in place)
-        self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
         strategy = instantiate(c.parallel.strategy)
-        if tr.sync_batchnorm and strategy.distributed:  # statistics over the global batch (same buffers)
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        plan = shard_plan(model, c.model.get("_target_"), c.parallel.shard_units)
-        missing = missing_plan(model, c.model.get("_target_"), c.parallel.shard_units)
-        if strategy.shards_parameters and missing:  # (validate refused it already, on the meta device)
-            raise ConfigError(f"parallel.strategy {c.parallel.strategy['_target_']}: {missing}")
-        ema = None
-        sharding = {"plan": plan} if strategy.shards_parameters else {}  # (a strategy of yours needs none)
-        if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
-            ema = make_ema(model, opts.ema_decay)
-            ema.module = strategy.replica(ema.module, d, dtype, **sharding)
-        self.model = strategy.wrap(model, d, dtype, **sharding)
-        if tr.compile:  # as the strategy compiles: the DDP wrapper whole, FSDP per unit
-            strategy.compile(self.model, mode=tr.compile_mode, dynamic=tr.compile_dynamic, **sharding)
-        groups = param_groups(self.model, c.optim.norm_weight_decay, c.optim.bias_weight_decay)
-        self.optimizer = instantiate(c.optim.optimizer)(params=groups)
-        self.scheduler = instantiate(c.optim.schedule)(self.optimizer)
+        # A spare (goodput.run.spares) does not know its rank yet: a strategy that shards needs the
+        # job's mesh, so it builds unsharded on the meta device (nothing allocated: a model that needs
+        # sharding may not fit one device) and `regroup` builds again on the mesh it joins.
+        self.built_unsharded = unsharded and not strategy.regroups_in_place
+        if self.built_unsharded:
+            from goodput.parallel import Single
+
+            strategy = Single()
+        self.mfu = None
+        built = self._build_model(strategy, d, opts, torch.device("meta") if self.built_unsharded else None)
+        self.model, ema, self.optimizer, self.scheduler = built
         ledger = Ledger()  # kept by self.goodput
         self.app = AppState(self.model, self.optimizer, d.rank)
         self.app.register("data", self.loader)
@@ -255,6 +242,80 @@ class Trainer:
         )
         self.tracker.log_dataset(dc.root, self.loader.files.fingerprint)
 
+    def _build_model(self, strategy, d, opts: StepOptions, device: torch.device | None = None):
+        """The model half: the model, wrapped by `strategy` on `d`'s groups (compiled if asked),
+        its EMA laid out like it, the optimizer and the schedule, on `device` (None: d's). Built at
+        the start, and again after a spare took a dead rank's place when the strategy cannot move
+        its wrapper (`regroup`)."""
+        c, tr = self.cfg, self.cfg.trainer
+        dtype = PRECISIONS[str(opts.precision)]
+        model = instantiate(c.model, num_classes=self.loader.num_classes).to(device or d.device)
+        if opts.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.mfu is None:
+            size = self.loader.dataset.image_size
+            shape = (3, size, size)  # RGB at the training resolution
+            # FLOPs counted on the meta device (nothing allocated), before a strategy wraps (FSDP
+            # shards the module in place)
+            self.mfu = MFU(model, shape, d.device, opts.precision, tr.peak_tflops, d.world)
+        if tr.sync_batchnorm and strategy.distributed:  # statistics over the global batch (same buffers)
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        plan = shard_plan(model, c.model.get("_target_"), c.parallel.shard_units)
+        missing = missing_plan(model, c.model.get("_target_"), c.parallel.shard_units)
+        if strategy.shards_parameters and missing:  # (validate refused it already, on the meta device)
+            raise ConfigError(f"parallel.strategy {c.parallel.strategy['_target_']}: {missing}")
+        ema = None
+        sharding = {"plan": plan} if strategy.shards_parameters else {}  # (a strategy of yours needs none)
+        if opts.ema_decay is not None:  # copied before wrapping, then laid out like the model
+            ema = make_ema(model, opts.ema_decay)
+            ema.module = strategy.replica(ema.module, d, dtype, **sharding)
+        model = strategy.wrap(model, d, dtype, **sharding)
+        if tr.compile:  # as the strategy compiles: the DDP wrapper whole, FSDP per unit
+            strategy.compile(model, mode=tr.compile_mode, dynamic=tr.compile_dynamic, **sharding)
+        groups = param_groups(model, c.optim.norm_weight_decay, c.optim.bias_weight_decay)
+        optimizer = instantiate(c.optim.optimizer)(params=groups)
+        scheduler = instantiate(c.optim.schedule)(optimizer)
+        return model, ema, optimizer, scheduler
+
+    def regroup(self, d) -> bool:
+        """Move onto the process groups of `d`, the next generation's (in-process recovery onto a
+        spare, goodput.run.spares); every member of it calls this, in the same order. A wrapper
+        that can move does (`Strategy.regroup`: DDP's reducer). One that cannot (FSDP2's DTensors
+        are bound to the old groups' device mesh), or a spare that built unsharded, is built again
+        on the new mesh (model, EMA, optimizer, schedule, the step) with fresh weights: True, and
+        the caller loads the boundary state into it (AppState.apply)."""
+        self.rebind(d)
+        old = self.step
+        if self.regroups_in_place:
+            old.strategy.regroup(self.model)
+            return False
+        strategy = instantiate(self.cfg.parallel.strategy)  # a mesh of its own, made on d's groups
+        model, ema, optimizer, scheduler = self._build_model(strategy, d, old.opts)
+        self.model, self.optimizer, self.scheduler, self.built_unsharded = model, optimizer, scheduler, False
+        self.app.model, self.app.optimizer = model, optimizer
+        self.app.register("scheduler", scheduler)
+        guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)
+        per_rank = self.cfg.trainer.global_batch_size // d.world
+        self.step = Step(model, optimizer, scheduler, strategy, old.opts, d.device, per_rank, ema=ema,
+                         task=self.task, guard=guard)  # fmt: skip
+        self.app.register("step", self.step, missing=self.app.optional["step"])
+        if ema is not None:
+            self.app.register_module("ema", ema)
+        self._new_rescuer()
+        return True
+
+    @property
+    def regroups_in_place(self) -> bool:
+        """Whether `regroup` keeps the model half and its state (else it builds it again, empty)."""
+        return self.step.strategy.regroups_in_place and not self.built_unsharded
+
+    def _new_rescuer(self) -> None:
+        """The rescue of the current rank, strategy and model (after `rebind` or `regroup`)."""
+        attempt = self.rescue.attempt
+        self.rescue = self.ckpt.rescuer(self.step.strategy, self.app, self.rng, self.model, attempt)
+        self.step.guard.rescue = self.rescue
+        self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
+
     def rebind(self, d) -> None:
         """Move to the process groups of `d` (in-process recovery onto a spare, goodput.run.spares):
         every member of the new generation points its checkpoint group at them; a spare built for
@@ -271,10 +332,7 @@ class Trainer:
         self.faults.slow_s = f.slow_seconds if f.slow_rank == r else 0.0
         local_bs = tr.global_batch_size // d.world
         self.val_loader = eval_loader_of(self.val_loader.dataset, c.data, local_bs, r, d.world, d.device)
-        attempt = self.rescue.attempt
-        self.rescue = self.ckpt.rescuer(self.step.strategy, self.app, self.rng, self.model, attempt)
-        self.step.guard.rescue = self.rescue
-        self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
+        self._new_rescuer()
         if r == 0:  # the MLflow writer is rank 0's
             self.tracker = Tracker(
                 c.mlflow.tracking_uri, self.ctx.mlflow_run_id, enabled=True,

@@ -13,10 +13,13 @@ once (its child), and decides with the other processes through the agent's store
    (generation g+1: the spare takes rank r) and forks a new spare in the background.
 3. Survivors put back what the step in flight changed (Rescue.rewind: the loader's position, the
    buffers), leave the broken group without waiting on it and form generation g+1's on the same
-   store (goodput.parallel.join_generation); DDP's wrapper moves to it (Strategy.regroup).
+   store (goodput.parallel.join_generation); DDP's wrapper moves to it (Strategy.regroup). FSDP2's
+   cannot (its DTensors are bound to the old mesh): under hsdp every member builds the model half
+   again on the new mesh (Trainer.regroup) and a survivor loads its own boundary state into it.
 4. The spare (built, its DataLoader workers forked, DDP's buckets settled, waiting on the store
    without using the CPU) learns rank r and the step, starts decoding that step's batch, joins the
-   group, and receives the boundary state from the lowest survivor: the same state dict a rescue
+   group, and receives the boundary state from the lowest survivor holding it (Strategy.holders:
+   any under ddp, the dead rank's shard peer under hsdp): the same state dict a rescue
    would write (Rescue.state: model with the boundary's buffers, optimizer, EMA, scaler, the
    loader's position, the schedule, the monitors; the ledger), one buffer over the group.
 5. Every rank runs the loop again from that step: the step in flight is redone, nothing else.
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.resilience.signals import PREEMPT_SIGNALS
 from goodput.resilience.spares import PHASES, Roster, prefix, record_name
@@ -62,7 +66,7 @@ class Spares:
 def settings(c) -> Spares | None:
     """parallel.spares and parallel.recovery_timeout_s. None: no spares (0), or none can help here
     (said once): under an outside launcher (torchrun, srun), which stops every rank when one dies,
-    and for a strategy whose ranks hold shards (no survivor holds the dead rank's)."""
+    and for a layout where no survivor holds a dead rank's shard (fsdp; hsdp with one replica group)."""
     n, timeout_s = c.parallel.spares, c.parallel.recovery_timeout_s
     if not n:
         return None
@@ -70,13 +74,25 @@ def settings(c) -> Spares | None:
         log.warning("parallel.spares=%d: not started under an outside launcher (its agent stops every "
                     "rank when one dies); failures take the rescue and restart path", n)  # fmt: skip
         return None
-    from hydra.utils import get_class
+    from hydra.utils import instantiate
 
-    target = c.parallel.strategy["_target_"]
-    if not get_class(target).recovers_in_process:
-        log.warning("parallel.spares=%d: not started under parallel.strategy %s: no survivor holds a dead "
-                    "rank's shard; failures take the rescue and restart path", n, target)  # fmt: skip
+    target, world = c.parallel.strategy["_target_"], c.parallel.nproc_per_node
+    strategy = instantiate(c.parallel.strategy)
+    if not any(strategy.holders(r, world) for r in range(world)):
+        log.warning("parallel.spares=%d: not started under parallel.strategy %s on %d ranks: no survivor "
+                    "holds a dead rank's shard; failures take the rescue and restart path",
+                    n, target, world)  # fmt: skip
         return None
+    collective_s = c.parallel.collective_timeout_s
+    if world > 2 and collective_s >= timeout_s and not torch.cuda.is_available():
+        log.warning(
+            "parallel.spares=%d on CPU (gloo) with %d ranks: a survivor whose collective waits on another "
+            "survivor, not on the dead rank, notices the failure only after "
+            "parallel.collective_timeout_s=%gs "
+            "(a gloo collective cannot be aborted); not below parallel.recovery_timeout_s=%gs, such a "
+            "recovery falls back to the restart. Lower parallel.collective_timeout_s (above the slowest "
+            "step) to keep it in-process", n, world, collective_s, timeout_s,
+        )  # fmt: skip
     return Spares(n, timeout_s)
 
 
@@ -127,6 +143,9 @@ class Host:
         self.rank, self.world, self.local_rank, self.local_world = rank, world, local_rank, local_world
         self.store, self._base = connect(s.timeout_s)
         self.roster = Roster(self.store, world, s.timeout_s)
+        from hydra.utils import instantiate
+
+        self.strategy = instantiate(c.parallel.strategy)  # who holds a dead rank's state (no groups made)
         self.children: dict[int, Child] = {}
         self.stopping = False
         self.status, self.summary = 0, None
@@ -249,7 +268,7 @@ class Host:
         if self.roster.death(gen, rank, cause) > 1:
             decision = self.roster.abort(gen, "two ranks lost at once")
         else:
-            decision = self.roster.decide(gen, rank, cause, detected)
+            decision = self.roster.decide(gen, rank, cause, detected, self.strategy.holders(rank, self.world))
         plan = decision.get("plan")
         if plan is not None and plan["rank"] == rank and plan["gen"] == gen + 1:
             self.start(None, after=f"gen{plan['gen']}/mark/loader_ready/{rank}")  # the next spare
@@ -386,12 +405,17 @@ class Member:
             plan = decision["plan"]
             try:
                 t.rescue.rewind()  # what the step in flight changed (its batch is delivered again)
-                self._join(t, plan, rank, t.dist.local_rank, t.dist.init_timeout_s)
+                # the boundary state, taken while the old model stands (a rebuild replaces it)
+                keep = t.regroups_in_place
+                state = t.rescue.state(plan["step"]) if rank == plan["sender"] or not keep else None
+                rebuilt = self._join(t, plan, rank, t.dist.local_rank, t.dist.init_timeout_s)
                 if rank == plan["sender"]:
                     header = {"step": plan["step"], "attempt": t.goodput.restarts,
                               "in_process": t.goodput.in_process + 1,
                               "ctx": [t.ctx.mlflow_run_id, t.ctx.run_dir, t.ctx.lock_token]}  # fmt: skip
-                    send_state(t.rescue.state(plan["step"]), header, plan["rank"])
+                    send_state(state, header, plan["rank"])
+                if rebuilt:  # built again on the new mesh: this rank's own boundary state goes back in
+                    t.app.apply(on_mesh(state, _mesh(t)), StateDictOptions(), plan["step"])
             except Exception as err:
                 log.warning("rank %d: in-process recovery failed: %r", rank, err)
                 return False
@@ -399,25 +423,24 @@ class Member:
         t.goodput.after_recovery = functools.partial(self._first_step, t, plan)
         return True
 
-    def _join(self, t, plan: dict, rank: int, local_rank: int, init_timeout_s: float) -> None:
-        """Generation plan["gen"]'s process groups, as `rank`; the Trainer moved onto them."""
+    def _join(self, t, plan: dict, rank: int, local_rank: int, init_timeout_s: float) -> bool:
+        """Generation plan["gen"]'s process groups, as `rank`; the Trainer moved onto them. True:
+        its model half was built again there (Trainer.regroup), with no state in it yet."""
         import torch.distributed as dist
 
         from goodput.parallel import join_generation
 
         store = dist.PrefixStore(f"{_prefix()}gen{plan['gen']}/pg/", self._base)
         d = join_generation(store, rank, plan["world"], local_rank, self.s.timeout_s, init_timeout_s)
-        t.rebind(d)
-        t.step.strategy.regroup(t.model)
+        rebuilt = t.regroup(d)
         self.gen = plan["gen"]
         self.roster.mark(self.gen, "group_rebuilt", rank)
+        return rebuilt
 
     # -- a spare --------------------------------------------------------------------------------
     def take_place(self, c, ctx, d, stop):
         """A spare's life: build for a provisional rank, settle, wait; on a plan, become its rank
         (the Trainer, at the boundary the survivors stand at). None: told to exit, or a notice."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
         from goodput import logs
         from goodput.parallel import Dist
         from goodput.resilience.recovery import Recovery
@@ -428,7 +451,7 @@ class Member:
             return None  # a notice meanwhile
         t0 = time.time()
         provisional = Dist(self.world - 1, self.world, d.local_rank, d.device, d.ckpt_pg, d.init_timeout_s)
-        t = Trainer(c, ctx, provisional, Recovery())
+        t = Trainer(c, ctx, provisional, Recovery(), unsharded=True)  # (sharded once it joins: regroup)
         try:
             t.loader.keep_last = True
             # a stand-in of one micro-batch: its first forward and backward (allocations, kernels
@@ -468,7 +491,7 @@ class Member:
         logs.setup(r, ctx.run_dir)
         if r != 0:  # rank hygiene, as every rank's (worker._rank0_view)
             logging.getLogger().setLevel(logging.WARNING)
-        sd, header = recv_state(plan["sender"])
+        sd, header = recv_state(plan["sender"], _mesh(t))
         starting.join()  # before the loader's state is set
         mlflow_run_id, run_dir, lock_token = header["ctx"]
         t.ctx = t.ctx.with_rank0(mlflow_run_id, run_dir, lock_token)
@@ -555,7 +578,7 @@ class Member:
             n, attempt = t.goodput.in_process, t.goodput.restarts
             rec = {
                 "kind": "in_process", "attempt": attempt, "n": n, "dead_rank": r, "spare": plan["spare"],
-                "step": plan["step"], "cause": plan["cause"],
+                "sender": plan["sender"], "step": plan["step"], "cause": plan["cause"],
                 "lost_steps": 0,  # the survivors stood at the last finished step: only the one in flight
                 "failure_source": source, "at": {p: round(at[p], 4) for p in known},
                 "seconds": {b: round(at[b] - at[a], 4) for a, b in zip(known, known[1:])},
@@ -566,9 +589,11 @@ class Member:
             metrics["recovery/total_seconds"] = rec["total_seconds"]
             t.tracker.log(metrics, attempt + n)
             t.tracker.set_tags({f"recovery.{n}.replaced": f"rank {r} by spare {plan['spare']}"})
-            log.warning("in-process recovery %d: rank %d died (%s), spare %d took its place at step %d: "
-                        "%.2fs from the failure to the first step (%s)", n, r, plan["cause"], plan["spare"],
-                        plan["step"], rec["total_seconds"], json.dumps(rec["seconds"]))  # fmt: skip
+            log.warning(
+                "in-process recovery %d: rank %d died (%s), spare %d took its place at step %d with the "
+                "state of rank %d: %.2fs from the failure to the first step (%s)", n, r, plan["cause"],
+                plan["spare"], plan["step"], plan["sender"], rec["total_seconds"], json.dumps(rec["seconds"]),
+            )  # fmt: skip
         except Exception as e:  # measuring must never stop training
             log.warning("could not record the in-process recovery: %r", e)
 
@@ -623,23 +648,80 @@ def _flatten(tree: dict, path: tuple = ()):
             yield (*path, k), v
 
 
+def _mesh(t):
+    """The device mesh the Trainer's strategy shards over (None: it shards nothing)."""
+    strategy = t.step.strategy
+    return strategy.device_mesh(t.dist) if strategy.shards_parameters else None
+
+
+def _layout(x) -> list | None:
+    """How a DTensor lies on its mesh, as JSON: [placements, global shape, stride]; None for a
+    plain tensor. Placements: "R" (replicated), "S<dim>" (sharded on dim), what FSDP2 makes."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(x, DTensor):
+        return None
+    places = []
+    for p in x.placements:
+        if type(p) is Shard:
+            places.append(f"S{p.dim}")
+        elif isinstance(p, Replicate):
+            places.append("R")
+        else:  # (a partial sum, a strided shard: not a parameter's or an optimizer state's layout)
+            raise ValueError(f"a DTensor placed {p!r}: not one a spare can take over")
+    return [places, list(x.shape), list(x.stride())]
+
+
+def _place(local: torch.Tensor, layout: list, mesh):
+    """`local`, this rank's shard, as the DTensor `layout` (see _layout) describes, on `mesh`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    places, shape, stride = layout
+    if mesh is None or len(places) != mesh.ndim:
+        raise ValueError(f"a shard laid out {places} cannot go on the mesh {mesh}")
+    placements = [Replicate() if p == "R" else Shard(int(p[1:])) for p in places]
+    if local.device.type != mesh.device_type:
+        local = local.to(mesh.device_type)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=tuple(stride))  # fmt: skip
+
+
+def on_mesh(sd: dict, mesh) -> dict:
+    """`sd` with each DTensor's shard placed on `mesh` the way it lay on its own (a survivor's
+    boundary state, noted on the mesh of the groups that just ended, loaded into the model built
+    again on the new one). Plain tensors are kept."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = on_mesh(v, mesh)
+        else:
+            layout = _layout(v) if torch.is_tensor(v) else None
+            out[k] = v if layout is None else _place(v.to_local(), layout, mesh)
+    return out
+
+
 def send_state(sd: dict, header: dict, dst: int) -> None:
     """`sd` (a state dict of tensors, nested dicts) and `header` (JSON) to rank `dst`: sizes, the
     header with where each tensor sits, then one buffer of every tensor's bytes. No pickle: the
-    receiver rebuilds tensors from the header's dtypes and shapes."""
+    receiver rebuilds tensors from the header's dtypes and shapes. A DTensor travels as this rank's
+    shard and its layout (the receiver holds the same shard: the sender is its replica)."""
     import torch.distributed as dist
 
     entries, parts, offset = [], [], 0
     for path, t in _flatten(sd):
         if t is None:
-            entries.append([list(path), None, None, 0, 0])
+            entries.append([list(path), None, None, 0, 0, None])
             continue
+        layout = _layout(t)
+        if layout is not None:
+            t = t.to_local()
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         pad = -offset % ALIGN
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8))
             offset += pad
-        entries.append([list(path), str(t.dtype).removeprefix("torch."), list(t.shape), offset, raw.numel()])
+        entries.append([list(path), str(t.dtype).removeprefix("torch."), list(t.shape), offset, raw.numel(),
+                        layout])  # fmt: skip
         parts.append(raw)
         offset += raw.numel()
     meta = json.dumps({**header, "entries": entries}).encode()
@@ -649,8 +731,9 @@ def send_state(sd: dict, header: dict, dst: int) -> None:
     dist.send(buf, dst)
 
 
-def recv_state(src: int) -> tuple[dict, dict]:
-    """What send_state sent from rank `src`: (the state dict, the header)."""
+def recv_state(src: int, mesh=None) -> tuple[dict, dict]:
+    """What send_state sent from rank `src`: (the state dict, the header); a DTensor's shard placed
+    on `mesh`, this rank's."""
     import torch.distributed as dist
 
     sizes = torch.zeros(2, dtype=torch.int64)
@@ -661,7 +744,7 @@ def recv_state(src: int) -> tuple[dict, dict]:
     buf = torch.zeros(int(sizes[1]), dtype=torch.uint8)
     dist.recv(buf, src)
     sd: dict = {}
-    for path, dtype, shape, offset, n in header.pop("entries"):
+    for path, dtype, shape, offset, n, layout in header.pop("entries"):
         node = sd
         for k in path[:-1]:
             node = node.setdefault(k, {})
@@ -671,5 +754,6 @@ def recv_state(src: int) -> tuple[dict, dict]:
         kind = getattr(torch, dtype, None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"state from rank {src}: {dtype!r} is not a torch dtype")
-        node[path[-1]] = buf[offset : offset + n].view(kind).reshape(shape)
+        local = buf[offset : offset + n].view(kind).reshape(shape)
+        node[path[-1]] = local if layout is None else _place(local, layout, mesh)
     return sd, header
