@@ -114,18 +114,19 @@ def test_a_killed_rank_restarts_to_the_same_model(tmp_path, hsdp_reference, resc
 
 def test_a_killed_rank_is_replaced_by_a_spare_with_its_shard_from_the_other_replica_group(tmp_path):
     """parallel.spares=2 beside 4 hsdp ranks (2 replica groups x 2 shards): rank 3 killed after
-    step 4, then (the spare that took its place) between the two micro-steps of step 9. Each time a
+    step 4, then (the spare that took its place) between the two micro-steps of step 10. Each time a
     spare becomes rank 3 without a restart, its shard sent by rank 1, its replica in the other group
     (rank 0, the lowest survivor, holds the other shard), and the survivors build model, EMA and
-    optimizer again on the new mesh from the boundary state they hold. The uninterrupted run's
-    model, EMA (evaluated: trainer.eval_on=ema) and sample order, bit for bit. On gloo a survivor
-    waiting on another survivor notices at parallel.collective_timeout_s: 5 s here."""
-    run = [*HSDP4, "checkpoint=torch_save", "trainer.micro_batch_size=2", "trainer.ema_decay=0.9",
-           "trainer.eval_on=ema"]  # fmt: skip
+    optimizer again on the new mesh from the boundary state they hold; the former spare writes its
+    shard of the async DCP commit of step 6. The uninterrupted run's model, EMA (evaluated:
+    trainer.eval_on=ema) and sample order, bit for bit. On gloo a survivor waiting on another
+    survivor notices at parallel.collective_timeout_s: 5 s here."""
+    run = [*HSDP4, "checkpoint=dcp_async", "checkpoint.every_n_steps=6", "trainer.micro_batch_size=2",
+           "trainer.ema_decay=0.9", "trainer.eval_on=ema"]  # fmt: skip
     _, clean = run_train(tmp_path / "clean", *run, timeout=600)
     p, s = run_train(
         tmp_path / "spared", *run, "parallel.spares=2", "fault.rank=3", "fault.kill_at_step=4",
-        "fault.kill_in_step=9", "fault.slow_rank=0", "fault.slow_seconds=0.5", "parallel.max_restarts=1",
+        "fault.kill_in_step=10", "fault.slow_rank=0", "fault.slow_seconds=0.5", "parallel.max_restarts=1",
         "parallel.collective_timeout_s=5", "parallel.recovery_timeout_s=30", timeout=600,
     )  # fmt: skip
     assert s["model_sha256"] == clean["model_sha256"]
@@ -134,7 +135,7 @@ def test_a_killed_rank_is_replaced_by_a_spare_with_its_shard_from_the_other_repl
     spared = [r for r in s["recovery"]["per_restart"] if r.get("kind") == "in_process"]
     assert s["restarts"] == 2 and s["recovery"]["in_process"] == 2 and s["rescues"]["count"] == 0
     where = [(r["dead_rank"], r["step"], r["sender"], r["lost_steps"]) for r in spared]
-    assert where == [(3, 4, 1, 0), (3, 8, 1, 0)]
+    assert where == [(3, 4, 1, 0), (3, 9, 1, 0)]
     for n, r in enumerate(spared, 1):
         assert f"in-process recovery {n}: rank 3 died (SIGKILL), spare {r['spare']} took its place at step " \
                f"{r['step']} with the state of rank 1" in p.stderr  # fmt: skip

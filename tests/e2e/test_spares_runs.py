@@ -63,6 +63,30 @@ def test_kills_are_recovered_onto_spares_and_what_does_not_fit_restarts_all_to_t
     assert client.get_run(run).data.tags["recovery.2.replaced"] == f"rank 1 by spare {spared[1]['spare']}"
 
 
+def test_a_spare_that_waited_long_replaces_a_rank_of_an_attempt_resumed_before_its_evaluation(
+    tmp_path, clean
+):
+    """Rank 1 killed after step 10, whose evaluation is due (trainer.eval_every_n_steps=10): rank 0
+    stands before it, so the group restarts from the rescue of step 10, which evaluates step 10
+    first. Then rank 1 killed inside step 48, at least 22 s later (0.6 s a step): this attempt's
+    spare waited past its first-step bound (parallel.init_timeout_s=20: its clock starts when it
+    takes the place, not when it was built), and rank 0's loop, run again from step 47, does not
+    evaluate step 10 again (the spare would not: their collectives would pair wrongly). The place
+    is taken in process; the clean model and sample order."""
+    base = [o for o in BASE if not o.startswith("fault.slow_seconds")]
+    faults = ["fault.slow_seconds=0.6", "trainer.eval_every_n_steps=10", "fault.rank=1",
+              "fault.kill_at_step=10", "fault.kill_in_step=48", "parallel.max_restarts=1",
+              "parallel.recovery_timeout_s=5", "parallel.init_timeout_s=20",
+              "trainer.hang_timeout_s=5"]  # fmt: skip
+    p, s = run_train(tmp_path, *base, "parallel.spares=1", *faults)
+    assert s["model_sha256"] == clean["model_sha256"]
+    assert s["sample_order_sha256"] == clean["sample_order_sha256"]
+    assert "no in-process recovery (rank 0: before the evaluation of step 10 was done)" in p.stderr
+    spared = [r for r in s["recovery"]["per_restart"] if r.get("kind") == "in_process"]
+    assert s["restarts"] == 2 and s["resumed_from_steps"] == [10]
+    assert [(r["attempt"], r["dead_rank"], r["step"]) for r in spared] == [(1, 1, 47)]
+
+
 def test_a_preemption_notice_still_checkpoints_and_exits_0_with_spares(tmp_path):
     """SIGTERM to the job's process group (as a scheduler sends it) while a spare waits: the ranks
     commit the step they stand at and exit 0, the spare exits 0, every host returns (none is taken

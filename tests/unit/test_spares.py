@@ -274,6 +274,45 @@ def test_a_spare_built_for_one_rank_takes_another_as_if_built_for_it(tmp_path, d
             lock.release()
 
 
+def test_a_new_rescue_keeps_the_attempts_start_and_is_what_every_caller_asks(tmp_path, dist1):
+    """After a rank change (rebind) or a rebuild (regroup), the Trainer's rescue is new: it keeps
+    the step the attempt started from and the newest reached (else a failure in the first step
+    after a recovery rescues nothing: `nothing_new`), and it is the one the step's guard, the
+    watchdog and the preemption grace timer call (else the grace timer writes the old model's)."""
+    from helpers import compose_train, process_state_kept
+
+    from goodput.parallel import Dist
+    from goodput.run import job
+    from goodput.run.build import Trainer
+
+    class Stop:
+        last_words = None
+
+        def rescuing(self, last_words):
+            self.last_words = last_words
+            return self
+
+    cfg = compose_train(["experiment=smoke", f"paths.root={tmp_path}", "parallel=ddp"])
+    with process_state_kept():
+        c, ctx, lock = job.prepare(cfg, str(tmp_path / "run"))
+        try:
+            at = lambda r: Dist(r, 2, 0, dist1.device, dist1.ckpt_pg, dist1.init_timeout_s)  # noqa: E731
+            t = Trainer(c, ctx, at(1))
+            t.stop = Stop().rescuing(t.rescue.request)
+            t.rescue.boundary(3)
+            t.rescue.boundary(7)
+            old = t.rescue
+            t.rebind(at(0))
+            assert t.rescue is not old and (t.rescue.since, t.rescue.reached) == (3, 7)
+            assert t.step.guard.rescue is t.rescue
+            assert t.watchdog.last_words.func == t.rescue.request
+            assert t.stop.last_words == t.rescue.request
+            t.close()
+            t.tracker.close("KILLED", None)
+        finally:
+            lock.release()
+
+
 def test_a_spare_of_a_sharded_strategy_allocates_no_weights_while_it_waits(tmp_path, dist1):
     """parallel=hsdp: a spare cannot shard before it knows its rank (its mesh coordinates depend on
     it), so it builds model, EMA and optimizer on the meta device: no weight allocated (a model
@@ -388,8 +427,10 @@ def test_the_planner_counts_in_process_recoveries_as_failures_that_lost_the_step
 
 def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, caplog):
     """At compose time: no spare without the rescue's boundary or without survivors. At launch:
-    none under an outside launcher (its agent stops every rank) or a strategy that shards (no
-    survivor holds the dead rank's shard), each said once; the run goes on without."""
+    none under an outside launcher (its agent stops every rank) or a layout where no survivor holds
+    a dead rank's shard (fsdp, hsdp with one replica group), each said once; the run goes on
+    without. hsdp with two replica groups starts them; on gloo with more than two ranks, a
+    collective timeout not below the recovery bound is said."""
     from types import SimpleNamespace
 
     from helpers import check_config_change, compose_train

@@ -285,24 +285,40 @@ class Trainer:
         on the new mesh (model, EMA, optimizer, schedule, the step) with fresh weights: True, and
         the caller loads the boundary state into it (AppState.apply)."""
         self.rebind(d)
-        old = self.step
         if self.regroups_in_place:
-            old.strategy.regroup(self.model)
+            self.step.strategy.regroup(self.model)
             return False
+        opts, tr = self.step.opts, self.cfg.trainer
+        self._release_model()  # (the old shards go before the new model is built: device memory)
         strategy = instantiate(self.cfg.parallel.strategy)  # a mesh of its own, made on d's groups
-        model, ema, optimizer, scheduler = self._build_model(strategy, d, old.opts)
+        model, ema, optimizer, scheduler = self._build_model(strategy, d, opts)
         self.model, self.optimizer, self.scheduler, self.built_unsharded = model, optimizer, scheduler, False
         self.app.model, self.app.optimizer = model, optimizer
         self.app.register("scheduler", scheduler)
         guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)
-        per_rank = self.cfg.trainer.global_batch_size // d.world
-        self.step = Step(model, optimizer, scheduler, strategy, old.opts, d.device, per_rank, ema=ema,
+        per_rank = tr.global_batch_size // d.world
+        self.step = Step(model, optimizer, scheduler, strategy, opts, d.device, per_rank, ema=ema,
                          task=self.task, guard=guard)  # fmt: skip
         self.app.register("step", self.step, missing=self.app.optional["step"])
         if ema is not None:
             self.app.register_module("ema", ema)
         self._new_rescuer()
+        if tr.compile:  # the first step compiles the new modules on every member: its collectives wait
+            bound = d.group_timeout.total_seconds() + tr.compile_timeout_s
+            set_collective_timeout(bound, strategy.collective_groups())
         return True
+
+    def _release_model(self) -> None:
+        """Drop this Trainer's references to its model half (regroup builds another): what only
+        they held is freed now, not after the new one is built beside it."""
+        import gc
+
+        self.model = self.optimizer = self.scheduler = self.app.model = self.app.optimizer = None
+        self.app.modules.pop("ema", None)
+        self.rescue.model = self.step = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @property
     def regroups_in_place(self) -> bool:
@@ -310,11 +326,16 @@ class Trainer:
         return self.step.strategy.regroups_in_place and not self.built_unsharded
 
     def _new_rescuer(self) -> None:
-        """The rescue of the current rank, strategy and model (after `rebind` or `regroup`)."""
-        attempt = self.rescue.attempt
-        self.rescue = self.ckpt.rescuer(self.step.strategy, self.app, self.rng, self.model, attempt)
+        """The rescue of the current rank, strategy and model (after `rebind` or `regroup`), in
+        every place that asks for one; the attempt's start and progress carry over (a failure of
+        the first step after a recovery still has the recovery's boundary to gain)."""
+        old = self.rescue
+        self.rescue = self.ckpt.rescuer(self.step.strategy, self.app, self.rng, self.model, old.attempt)
+        self.rescue.since, self.rescue.reached = old.since, old.reached
         self.step.guard.rescue = self.rescue
         self.watchdog.last_words = functools.partial(self.rescue.request, handoff_s=0.0)
+        if self.stop is not None:  # the preemption grace timer's last words
+            self.stop.rescuing(self.rescue.request)
 
     def rebind(self, d) -> None:
         """Move to the process groups of `d` (in-process recovery onto a spare, goodput.run.spares):

@@ -89,6 +89,7 @@ def train(t) -> dict:
     final = t.resumed_rescue and (step >= max_steps or t.early_stopping.stopped_at == step)
     early = final and t.early_stopping.stopped_at == step
     done = (t.evaluate_first or final) and after(step, evaluating=True, counted=not t.evaluate_first)
+    t.evaluate_first = False  # done: the loop run again (after an in-process recovery) starts evaluated
     if t.ends_only:  # the final commit restored: the run's end again, with its evaluation; no save
         log.info("step %d is the run's final commit: writing the end of the run", step)
         evaluation(step, counted=True)

@@ -403,19 +403,21 @@ class Member:
                 log.warning("rank %d: no in-process recovery (%s)", rank, decision["abort"])
                 return False
             plan = decision["plan"]
+            traceback.clear_frames(e.__traceback__)  # the failed step's tensors: not kept (its text is)
             try:
                 t.rescue.rewind()  # what the step in flight changed (its batch is delivered again)
                 # the boundary state, taken while the old model stands (a rebuild replaces it)
                 keep = t.regroups_in_place
                 state = t.rescue.state(plan["step"]) if rank == plan["sender"] or not keep else None
                 rebuilt = self._join(t, plan, rank, t.dist.local_rank, t.dist.init_timeout_s)
+                if rebuilt:  # built again on the new mesh: this rank's own boundary state goes back in
+                    t.app.apply(on_mesh(state, _mesh(t)), StateDictOptions(), plan["step"])
+                    t.rescue.boundary(plan["step"])  # a failure from here on still rescues it
                 if rank == plan["sender"]:
                     header = {"step": plan["step"], "attempt": t.goodput.restarts,
                               "in_process": t.goodput.in_process + 1,
                               "ctx": [t.ctx.mlflow_run_id, t.ctx.run_dir, t.ctx.lock_token]}  # fmt: skip
                     send_state(state, header, plan["rank"])
-                if rebuilt:  # built again on the new mesh: this rank's own boundary state goes back in
-                    t.app.apply(on_mesh(state, _mesh(t)), StateDictOptions(), plan["step"])
             except Exception as err:
                 log.warning("rank %d: in-process recovery failed: %r", rank, err)
                 return False
@@ -503,6 +505,7 @@ class Member:
         if r == 0:
             _continue_attempt_record(g)
         t.watchdog.attempt = g.restarts
+        t.watchdog.doing(f"its first step as rank {r}")  # (the wait is not a step's: the clock starts now)
         t.watchdog.start()
         t.stop = stop.rescuing(t.rescue.request)
         arm_faults(t, g.restarts + g.in_process)
@@ -680,8 +683,9 @@ def _place(local: torch.Tensor, layout: list, mesh):
     if mesh is None or len(places) != mesh.ndim:
         raise ValueError(f"a shard laid out {places} cannot go on the mesh {mesh}")
     placements = [Replicate() if p == "R" else Shard(int(p[1:])) for p in places]
-    if local.device.type != mesh.device_type:
-        local = local.to(mesh.device_type)
+    if local.device.type != mesh.device_type:  # (CUDA: this rank's device, set as the current one)
+        cuda = mesh.device_type == "cuda"
+        local = local.to(torch.device("cuda", torch.cuda.current_device()) if cuda else mesh.device_type)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=tuple(stride))  # fmt: skip
 
@@ -754,6 +758,8 @@ def recv_state(src: int, mesh=None) -> tuple[dict, dict]:
         kind = getattr(torch, dtype, None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"state from rank {src}: {dtype!r} is not a torch dtype")
-        local = buf[offset : offset + n].view(kind).reshape(shape)
+        # a storage of its own per tensor: what the optimizer keeps must not be a view into one shared
+        # buffer (DCP's async stager, copying storages, then fails on the spare's first save)
+        local = buf[offset : offset + n].clone().view(kind).reshape(shape)
         node[path[-1]] = local if layout is None else _place(local, layout, mesh)
     return sd, header
