@@ -206,17 +206,7 @@ class Trainer:
         self.resumed_rescue = False  # set by the worker when the restored commit is a rescue
         self.ends_only = False  # set by the worker when the restored commit is a complete run's end
         self.stop = None  # the loop's StopSignal: installed until the end of the run is written
-        guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)  # the step's promises
-        self.step = Step(
-            self.model, self.optimizer, self.scheduler, strategy, opts, d.device, local_bs, ema=ema,
-            task=self.task, guard=guard,
-        )  # fmt: skip
-        self.app.register(
-            "step", self.step,
-            missing="no gradient-scaler state (the run had none): precision=16-mixed starts a fresh scale",
-        )  # fmt: skip
-        if ema is not None:
-            self.app.register_module("ema", ema)
+        self._install_step(strategy, opts, ema)
         self.eval_on = tr.eval_on
         cache = None
         if tr.compile:  # before the first call compiles anything
@@ -295,18 +285,26 @@ class Trainer:
         self.model, self.optimizer, self.scheduler, self.built_unsharded = model, optimizer, scheduler, False
         self.app.model, self.app.optimizer = model, optimizer
         self.app.register("scheduler", scheduler)
-        guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)
-        per_rank = tr.global_batch_size // d.world
-        self.step = Step(model, optimizer, scheduler, strategy, opts, d.device, per_rank, ema=ema,
-                         task=self.task, guard=guard)  # fmt: skip
-        self.app.register("step", self.step, missing=self.app.optional["step"])
-        if ema is not None:
-            self.app.register_module("ema", ema)
+        self._install_step(strategy, opts, ema)
         self._new_rescuer()
         if tr.compile:  # the first step compiles the new modules on every member: its collectives wait
             bound = d.group_timeout.total_seconds() + tr.compile_timeout_s
             set_collective_timeout(bound, strategy.collective_groups())
         return True
+
+    def _install_step(self, strategy, opts: StepOptions, ema) -> None:
+        """The training step over the Trainer's model, optimizer and schedule, registered with the
+        checkpoint state (and the EMA beside it)."""
+        guard = StepGuard(self.ckpt.wait_for_staging, self.rescue, self.faults)  # the step's promises
+        d, per_rank = self.dist, self.cfg.trainer.global_batch_size // self.dist.world
+        self.step = Step(self.model, self.optimizer, self.scheduler, strategy, opts, d.device, per_rank,
+                         ema=ema, task=self.task, guard=guard)  # fmt: skip
+        self.app.register(
+            "step", self.step,
+            missing="no gradient-scaler state (the run had none): precision=16-mixed starts a fresh scale",
+        )  # fmt: skip
+        if ema is not None:
+            self.app.register_module("ema", ema)
 
     def _release_model(self) -> None:
         """Drop this Trainer's references to its model half (regroup builds another): what only
