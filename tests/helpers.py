@@ -95,6 +95,52 @@ def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, exp
     return p, latest_summary(root)
 
 
+def start_nodes(root, run_dir, logs: list, *overrides: str) -> list[subprocess.Popen]:
+    """A job of len(logs) "nodes" on this machine, left running: torchrun agents with a c10d
+    rendezvous on loopback, one rank each of scripts/train.py (experiment=smoke, every node the same
+    hydra.run.dir), each in a session of its own printing to its open file in `logs`. Node 0 hosts
+    the rendezvous's store: another node can be lost without taking it."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for i, f in enumerate(logs):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(logs)),
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "goodput-nodes", "--rdzv-conf", f"is_host={str(i == 0).lower()}",
+            TRAIN, "experiment=smoke", f"paths.root={root}", f"hydra.run.dir={run_dir}", *overrides,
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=f, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    return procs
+
+
+def kill_node(pid: int) -> None:
+    """SIGKILL a torchrun agent and every process under it (its workers run in sessions of their
+    own: a signal to the agent's process group would miss them), the workers first."""
+    import psutil
+
+    agent = psutil.Process(pid)
+    for p in [*reversed(agent.children(recursive=True)), agent]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def attempt_step(root) -> int:
+    """The step rank 0's first attempt record says it finished (0 before it has one)."""
+    for f in (Path(root) / "checkpoints").glob("*/attempts/0000.json"):
+        try:
+            return json.loads(f.read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return 0
+
+
 def run_nodes(root, run_dir, *overrides: str, nodes: int = 2, nproc: int = 1, timeout: int = 300):
     """A multi-node job on this machine: `nodes` torchrun agents with a c10d rendezvous on loopback,
     each starting `nproc` ranks of scripts/train.py (experiment=smoke, every node the same

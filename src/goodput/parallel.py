@@ -536,10 +536,11 @@ class ParallelConfig:
     spare builds the model, optimizer and loader, then waits without using the CPU; when a rank is
     killed, the survivors keep their processes, a spare takes its place in a new process group and
     one survivor sends it the state of the last finished step (goodput.run.spares, docs/parallelism.md).
-    Under hsdp the dead rank's shard comes from its replica in another replica group. What does not
-    fit (no spare left, two ranks lost at once, a failure inside a save or an evaluation, a hang,
-    fsdp or hsdp with one replica group: no survivor holds the dead rank's shard) goes the way it
-    goes with 0: a rescue and a restart.
+    Under hsdp the dead rank's shard comes from its replica in another replica group. Under
+    torchrun, a lost node's rank too (a spare on another node, once 5 s pass without the lost
+    host's heartbeat). What does not fit (no spare left, two ranks lost at once, a failure inside
+    a save or an evaluation, a hang, fsdp or hsdp with one replica group: no survivor holds the
+    dead rank's shard) goes the way it goes with 0: a rescue and a restart.
     0 = no spares."""
 
     recovery_timeout_s: float = 30.0

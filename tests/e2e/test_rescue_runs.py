@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import REPO, TRAIN, ckpt_dir, entry_env, final_weights, run_train, weight_gap
+from helpers import attempt_step, ckpt_dir, final_weights, kill_node, run_train, start_nodes, weight_gap
 
 from goodput.checkpoint.commits import Commits
 from goodput.resilience.accounting import Rescues
@@ -85,54 +83,19 @@ def test_a_hang_inside_the_optimizer_update_writes_no_rescue(tmp_path):
     assert not [d for d in os.listdir(ckpt_dir(tmp_path)) if d.endswith(".rescue")]
 
 
-def kill_node(pid: int) -> None:
-    """SIGKILL a torchrun agent and every process under it (its workers run in sessions of their
-    own: a signal to the agent's process group would miss them), the workers first."""
-    import psutil
-
-    agent = psutil.Process(pid)
-    for p in [*reversed(agent.children(recursive=True)), agent]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def heartbeat(root) -> int:
-    """The step rank 0's first attempt record says it finished (0 before it has one)."""
-    for f in (root / "checkpoints").glob("*/attempts/0000.json"):
-        try:
-            return json.loads(f.read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            pass
-    return 0
-
-
 def test_a_lost_node_is_rescued_by_the_other_and_the_job_resumes_on_the_one_left(tmp_path):
     """Two torchrun agents on loopback, one rank each (ddp). Once training is under way the whole
     second "node" (its agent and its rank) is SIGKILLed. The first node's rank rescues the last
     finished step; the relaunch on that node alone (one process: the global batch is kept, the
     rank takes all of it) resumes it: the sample order continues exactly, and the model is the one
     of a one-node job that lost rank 1 at the same step and resumed the same way, bit for bit."""
-    import socket
-
     ref_root, root = tmp_path / "ref", tmp_path / "lost"
     _, ref = run_train(ref_root, "parallel=ddp", *SLOW)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "goodput-lost",
-        TRAIN, "experiment=smoke", f"paths.root={root}", f"hydra.run.dir={root}/runs/two-node",
-        "parallel=ddp", *SLOW,
-    ]  # fmt: skip
     logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
-    nodes = [subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=f, stderr=subprocess.STDOUT,
-                              start_new_session=True) for f in logs]  # fmt: skip
+    nodes = start_nodes(root, root / "runs" / "two-node", logs, "parallel=ddp", *SLOW)
     try:
         deadline = time.monotonic() + 240
-        while not 13 <= heartbeat(root) <= 16:  # mid-interval: past the step-10 commit, before 20
+        while not 13 <= attempt_step(root) <= 16:  # mid-interval: past the step-10 commit, before 20
             assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "training did not get under way in time"
             time.sleep(0.02)

@@ -142,6 +142,153 @@ def test_the_end_of_the_run_tells_every_waiting_spare_to_exit(store):
     assert not r.register(late)  # one that registers after the end sees it
 
 
+def test_a_lost_hosts_spares_are_never_handed_out_and_its_rank_goes_to_a_live_hosts_spare(store):
+    """Two hosts (nodes), a spare on each; host 1's registered first. Host 1 is lost: the first
+    host to say so wins (it records the deaths and decides), a host that left cannot be declared
+    lost, and the plan hands rank 1 to host 0's spare, not host 1's dead one; rank 1 lives on host 0
+    from then on (its next loss is host 0's)."""
+    r = _roster(store, world=2)
+    r.place_rank(0, 0)
+    r.place_rank(1, 1)
+    on_lost, on_live = r.member(), r.member()
+    r.place_spare(on_lost, 1)
+    r.place_spare(on_live, 0)
+    assert r.register(on_lost) and r.register(on_live)
+    assert r.ranks_of(1) == [1]
+    assert r.declare_lost(1, by=0) and not r.declare_lost(1, by=0)  # (the second sees it done)
+    r.leave(0)
+    assert not r.declare_lost(0, by=1) and not r.lost(0)
+    r.report(0, 0, 9)
+    assert r.death(0, 1, "node lost") == 1
+    plan = r.decide(0, 1, "node lost", detected=0.0)["plan"]
+    assert (plan["rank"], plan["spare"], plan["step"], plan["sender"]) == (1, on_live, 9, 0)
+    assert r.ranks_of(0) == [0, 1] and r.ranks_of(1) == []
+
+
+def test_hosts_watch_the_next_live_one_in_a_ring(store):
+    r = _roster(store, world=4)
+    assert [r.watched(h, 4) for h in range(4)] == [1, 2, 3, 0]
+    assert r.declare_lost(1, by=0)
+    r.leave(2)
+    assert r.watched(0, 4) == 3 and r.watched(3, 4) == 0
+    assert r.declare_lost(3, by=0) and r.watched(0, 4) is None
+
+
+def _host(store_port: int, host_id: int, world: int):
+    """A Host as launch's worker makes it, without its children: for its watcher and its fence."""
+    import threading as th
+
+    from goodput.parallel import DDP
+    from goodput.run.spares import Host, Spares
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
+    h = Host.__new__(Host)
+    h.s, h.id, h.rank, h.world, h.strategy = Spares(1, 5.0), host_id, host_id, world, DDP()
+    h.children, h.stopping, h._done, h._forking = {}, False, th.Event(), th.Lock()
+    return h
+
+
+def test_a_host_whose_heartbeat_stands_still_is_declared_lost_and_its_rank_replaced_in_its_place(
+    tcp, store, monkeypatch
+):
+    """Host 0's watcher (its own thread and store connection, as in a job): host 1 beats, then
+    stops (its node is gone, nobody there reports rank 1's death). After LOST_S without a beat,
+    host 0 declares it lost, records rank 1's death, decides with rank 0's report (a plan for host
+    0's spare) and starts the next spare. A host that has not beaten yet is not declared lost."""
+    import goodput.run.spares as rs
+
+    monkeypatch.setattr(rs, "LOST_S", 0.6)
+    monkeypatch.setattr(rs, "_prefix", lambda: "goodput/restart0/spares/")
+    r = _roster(store, world=2)
+    host = _host(tcp.port, 0, 2)
+    started = []
+    host.start = lambda rank, after=None: started.append((rank, after))
+    r.place_rank(0, 0)
+    r.place_rank(1, 1)
+    spare = r.member()
+    r.place_spare(spare, 0)
+    r.register(spare)
+    watcher = threading.Thread(target=host._watch_hosts, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(1.5)  # host 1 has not beaten yet: starting, not lost
+        assert not r.lost(1)
+        for _ in range(5):
+            r.beat(1)
+            time.sleep(0.1)
+        r.report(0, 0, 4)  # rank 0's collective failed when rank 1's socket closed
+        t0 = time.monotonic()
+        store.wait(["gen0/decision"], timedelta(seconds=10))
+        assert time.monotonic() - t0 >= 0.5  # not before LOST_S
+        plan = r.decision(0)["plan"]
+        assert (plan["rank"], plan["spare"], plan["step"]) == (1, spare, 4)
+        assert plan["cause"].startswith("node lost: host 1's heartbeat stood still")
+        assert store.get("host/1/lost") == b"0" and r.ranks_of(0) == [0, 1]
+        deadline = time.monotonic() + 5
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert started == [(None, "gen1/mark/loader_ready/1")]
+    finally:
+        host._done.set()
+        watcher.join(5)
+
+
+def test_a_lost_node_that_held_two_ranks_falls_back(tcp, store, monkeypatch):
+    """Host 1 held ranks 1 and 2 (a node of two ranks): both deaths are recorded, the decision is
+    the fall back (two ranks lost at once), and no spare is taken or started."""
+    import goodput.run.spares as rs
+
+    monkeypatch.setattr(rs, "_prefix", lambda: "goodput/restart0/spares/")
+    r = _roster(store, world=3)
+    host = _host(tcp.port, 0, 3)
+    started = []
+    host.start = lambda rank, after=None: started.append(rank)
+    for rank, h in [(0, 0), (1, 1), (2, 1)]:
+        r.place_rank(rank, h)
+    spare = _spare(r)
+    r.report(0, 0, 4)
+    assert r.declare_lost(1, by=0)
+    host._host_lost(r, 1, 5.0)
+    assert r.decision(0) == {"abort": "two ranks lost at once"}
+    assert store.add("gen0/dead", 0) == 2 and not store.check([Roster.assignment(spare)]) and not started
+
+
+def _fenced_host(port: int, sleeper: int) -> None:
+    import goodput.run.spares as rs
+
+    rs._prefix = lambda: "goodput/restart0/spares/"
+    h = _host(port, 1, 2)
+    h.children = {sleeper: None}
+    h._beat()
+
+
+def test_a_host_declared_lost_that_still_lives_ends_its_processes(tcp, store):
+    """A stall, not a death: the others replace its rank, so the host ends its own processes (its
+    rank would otherwise train on beside the spare that took its place) and exits 1."""
+    import multiprocessing as mp
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    proc = mp.get_context("fork").Process(target=_fenced_host, args=(tcp.port, sleeper.pid))
+    try:
+        proc.start()
+        r = _roster(store, world=2)
+        deadline = time.monotonic() + 10
+        while r.beats(1) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.beats(1) >= 2, "the host never beat"
+        assert sleeper.poll() is None and proc.is_alive()
+        assert r.declare_lost(1, by=0)
+        proc.join(5)
+        assert proc.exitcode == 1
+        assert sleeper.wait(5) == -9  # SIGKILLed by the host
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        if sleeper.poll() is None:
+            sleeper.kill()
+
+
 def _record(n=1, **change) -> dict:
     rec = {"kind": "in_process", "attempt": 0, "n": n, "dead_rank": 1, "spare": 2, "step": 10,
            "lost_steps": 0, "failure_source": "fault_marker", "at": {"failure": 1.0, "first_step": 1.3},
@@ -471,9 +618,13 @@ def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, capl
     assert settings(par("goodput.parallel.DDP", nproc=3)) == Spares(1, 5.0)  # a ring waits on neighbours
     assert "on CPU (gloo) with 3 ranks" in caplog.text
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert settings(par("goodput.parallel.DDP")) is None
-    assert "not started under an outside launcher" in caplog.text
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert settings(par("goodput.parallel.DDP")) is None  # srun alone: no store before the group
+    assert "not started under this launcher (RANK is set, and no torchrun agent" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun: hosts on every node
+    caplog.clear()
+    assert settings(par("goodput.parallel.HSDP", nproc=2, collective_s=2.0, shard_size=2)) == Spares(1, 5.0)
+    assert "no survivor holds" not in caplog.text  # 4 ranks over the nodes: 2 replica groups
 
 
 def test_a_member_that_never_joins_the_new_group_costs_the_bound_not_a_hang(tcp):

@@ -16,12 +16,23 @@ agent's TCP store), under `goodput/restart<round>/spares/`:
     gen<g>/pg/...                 the next generation's process group (torch's own keys)
     gen<g>/mark/<phase>/<rank>    when each member got through each phase (the recovery record)
     spare/<member>/assign         the plan handed to a spare, or {"exit": why}
+    spare/<member>/host           the host that started spare <member>
+    host/<h>/beat                 host h's heartbeat: a counter it adds to (no clocks compared)
+    host/<h>/lost, host/<h>/left  host h was declared lost (by the host named), or ended its part
+    host/<h>/declared             a counter: the first host to declare h lost is the one that acts
+    rank/<r>/host                 the host whose process is rank r now
 
-The host that saw its rank die decides (`Roster.decide`): once every other rank of the generation
-has reported (a gloo collective fails in a survivor as soon as its peer's socket closes), a plan if
-they all stand at the same finished step and a spare is free, else an abort. Every wait is bounded
-by `timeout_s` (parallel.recovery_timeout_s); a survivor that waits longer aborts itself. An abort is
-today's path: the survivors write a rescue of that step and the group restarts.
+A host is one elastic worker (goodput.run.spares.Host): the process of one rank and some spares,
+on one node. The host that saw its rank die decides (`Roster.decide`). A lost node takes its hosts
+with it, so nobody there records the deaths: each host watches the next one's heartbeat (a ring),
+and the first to see one stand still for `LOST_S` declares it lost, records the deaths of the ranks
+it held, never hands out its spares, and decides in its place. A host declared lost that still
+lives (a stall, not a death) ends its processes as soon as it reads that. The decision: once every
+other rank of the generation has reported (a gloo collective fails in a survivor as soon as its
+peer's socket closes), a plan if they all stand at the same finished step and a spare is free,
+else an abort. Every wait is bounded by `timeout_s` (parallel.recovery_timeout_s); a survivor that
+waits longer aborts itself. An abort is today's path: the survivors write a rescue of that step and
+the group restarts.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from goodput.untrusted import RecordError, field, parse_record, set_aside
 
 log = logging.getLogger(__name__)
 
+BEAT_S = 0.2  # a host's heartbeat period
+LOST_S = 5.0  # a host whose heartbeat stood still this long is lost (and with it its node's processes)
 POLL_S = 0.005  # the decider's look at the reports: a few ms, only while a recovery is decided
 RECORDS = "recoveries"  # beside the checkpoints: one record per in-process recovery
 # the phases of an in-process recovery, in order (docs/goodput.md, the recovery record)
@@ -102,8 +115,57 @@ class Roster:
             if i >= self.store.add("spares/n", 0):
                 return None
             member = int(self.store.get(f"spares/{i}"))
-            if not self.store.check([f"spares/gone/{member}"]):
+            if self.store.check([f"spares/gone/{member}"]):
+                continue
+            host = self.spare_host(member)
+            if host is None or not self.lost(host):
                 return member
+
+    # -- hosts ----------------------------------------------------------------------------------
+    def place_rank(self, rank: int, host: int) -> None:
+        self.store.set(f"rank/{rank}/host", str(host))
+
+    def place_spare(self, member: int, host: int) -> None:
+        """Before the spare registers: a spare of a lost host is never handed out."""
+        self.store.set(f"spare/{member}/host", str(host))
+
+    def spare_host(self, member: int) -> int | None:
+        key = f"spare/{member}/host"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def ranks_of(self, host: int) -> list[int]:
+        keys = [f"rank/{r}/host" for r in range(self.world)]
+        return [r for r, k in enumerate(keys) if self.store.check([k]) and int(self.store.get(k)) == host]
+
+    def beat(self, host: int) -> int:
+        return self.store.add(f"host/{host}/beat", 1)
+
+    def beats(self, host: int) -> int:
+        return self.store.add(f"host/{host}/beat", 0)
+
+    def lost(self, host: int) -> bool:
+        return self.store.check([f"host/{host}/lost"])
+
+    def leave(self, host: int) -> None:
+        """Host `host` ends its part (its processes are done): not watched from now on."""
+        self.store.set(f"host/{host}/left", "1")
+
+    def watched(self, host: int, hosts: int) -> int | None:
+        """The host that `host` watches: the next one in the ring of `hosts` that neither was declared
+        lost nor left (None: no other). A lost one's successor is watched in its place."""
+        for k in range(1, hosts):
+            h = (host + k) % hosts
+            if not self.store.check([f"host/{h}/lost"]) and not self.store.check([f"host/{h}/left"]):
+                return h
+        return None
+
+    def declare_lost(self, host: int, by: int) -> bool:
+        """Host `by` saw host `host`'s heartbeat stand still. True: `by` is the first to say so (it
+        records the deaths and decides); False: another host did, or `host` left meanwhile."""
+        if self.store.check([f"host/{host}/left"]) or self.store.add(f"host/{host}/declared", 1) != 1:
+            return False
+        self.store.set(f"host/{host}/lost", str(by))
+        return True
 
     def close(self, why: str) -> None:
         """The run is over: every spare still waiting is told to exit (one registering meanwhile
@@ -169,10 +231,13 @@ class Roster:
         spare = self._claim_spare()
         if spare is None:
             return self.abort(gen, "no spare left")
+        host = self.spare_host(spare)
         plan = {"gen": gen + 1, "world": self.world, "rank": dead, "spare": spare, "step": steps[0],
                 "sender": min(senders), "cause": cause, "detected": detected}  # fmt: skip
         decision = _json(self.store.compare_set(f"gen{gen}/decision", "", json.dumps({"plan": plan})))
         if "plan" in decision:
+            if host is not None:
+                self.place_rank(dead, host)
             self.store.set("gen", str(gen + 1))
             self.store.set(self.assignment(spare), json.dumps(decision["plan"]))
         return decision

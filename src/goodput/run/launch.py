@@ -1,6 +1,7 @@
 """Start the job's processes: in this process, or elastic workers through torch.distributed.
 
-- RANK/WORLD_SIZE already set (torchrun, a SLURM srun wrapper): this process is one rank; run it.
+- RANK/WORLD_SIZE already set (torchrun, a SLURM srun wrapper): this process is one rank; run it
+  (under torchrun with `parallel.spares`: host it and spares, goodput.run.spares.under_agent).
 - One process and no restarts wanted: run in this process.
 - Otherwise: torch.distributed's elastic agent (what torchrun uses) starts `nproc_per_node` workers
   on this machine and restarts the whole group up to `max_restarts` times when one dies; each
@@ -61,7 +62,9 @@ def launch(c: Config, ctx: RunContext) -> dict | None:
     clear_notice(notice_file(ctx.run_dir))  # an earlier launch's, in the same run dir
     par = c.parallel
     spare = spares.settings(c)  # parallel.spares (None: none, or none can help here)
-    if external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
+    if external_world() and spare is not None:  # torchrun: this worker hosts its rank and spares
+        summary = spares.under_agent(c, ctx, spare)
+    elif external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
         summary = worker(c, ctx)
     else:
         summary = _elastic(c, ctx, spare)

@@ -48,7 +48,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from goodput.resilience.signals import PREEMPT_SIGNALS
-from goodput.resilience.spares import PHASES, Roster, prefix, record_name
+from goodput.resilience.spares import BEAT_S, LOST_S, PHASES, Roster, prefix, record_name
 
 log = logging.getLogger("goodput")
 
@@ -65,18 +65,20 @@ class Spares:
 
 def settings(c) -> Spares | None:
     """parallel.spares and parallel.recovery_timeout_s. None: no spares (0), or none can help here
-    (said once): under an outside launcher (torchrun, srun), which stops every rank when one dies,
-    and for a layout where no survivor holds a dead rank's shard (fsdp; hsdp with one replica group)."""
+    (said once): under an outside launcher other than torchrun (srun alone has no store the ranks
+    share before their group exists), and for a layout where no survivor holds a dead rank's shard
+    (fsdp; hsdp with one replica group)."""
     n, timeout_s = c.parallel.spares, c.parallel.recovery_timeout_s
     if not n:
         return None
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        log.warning("parallel.spares=%d: not started under an outside launcher (its agent stops every "
-                    "rank when one dies); failures take the rescue and restart path", n)  # fmt: skip
+    if "RANK" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        log.warning("parallel.spares=%d: not started under this launcher (RANK is set, and no torchrun agent "
+                    "shares its store); failures take the rescue and restart path", n)  # fmt: skip
         return None
     from hydra.utils import instantiate
 
-    target, world = c.parallel.strategy["_target_"], c.parallel.nproc_per_node
+    target = c.parallel.strategy["_target_"]
+    world = int(os.environ.get("WORLD_SIZE", c.parallel.nproc_per_node))  # (torchrun: all its nodes')
     strategy = instantiate(c.parallel.strategy)
     if not any(strategy.holders(r, world) for r in range(world)):
         log.warning("parallel.spares=%d: not started under parallel.strategy %s on %d ranks: no survivor "
@@ -150,12 +152,23 @@ class Host:
         self.stopping = False
         self.status, self.summary = 0, None
         self._spare_slot = 0
+        self.id = rank  # hosts are numbered by the rank they start with (a ring of `world` hosts)
+        self._forking = threading.Lock()  # a fork and its entry in `children`, against the wait loop
+        self._done = threading.Event()
 
     def start(self, rank: int | None, after: str | None = None) -> None:
         """Fork one child: the process of `rank`, or a spare (None); one that replaces a spare taken
         builds `after` that key is in the store (the taken spare's first step: the build would take
         the CPU from the recovery)."""
+        with self._forking:
+            self._fork(rank, after)
+
+    def _fork(self, rank: int | None, after: str | None) -> None:
         member = self.roster.member()
+        if rank is None:
+            self.roster.place_spare(member, self.id)
+        else:
+            self.roster.place_rank(rank, self.id)
         r, w = os.pipe()
         local = self.local_rank if rank is not None else self.local_world + self._spare_slot
         if rank is None:
@@ -207,14 +220,22 @@ class Host:
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._forward)
         self.start(self.rank)
-        for _ in range(self.local_rank, self.s.count, self.local_world):  # spares spread over the hosts
+        for _ in range(self.local_rank, self.s.count, self.local_world):  # a node's spares over its hosts
             self.start(None)
+        for target, name in ((self._beat, "host-beat"), (self._watch_hosts, "host-watch")):
+            threading.Thread(target=target, name=name, daemon=True).start()
         while self.children:
             pid, st = os.waitpid(-1, 0)
-            child = self.children.pop(pid, None)
+            with self._forking:  # (a fork on the watcher's thread: its entry is made first)
+                child = self.children.pop(pid, None)
             if child is not None:
                 self._ended(child, st)
                 os.close(child.pipe)
+        self._done.set()
+        try:
+            self.roster.leave(self.id)
+        except Exception:  # (the store's host is gone with its node: nothing is watched any more)
+            pass
         if not self.status and self.stopping and not self._ended_normally():
             self.status = 1  # the agent tears the group down (another worker failed): not a return
         if self.status:  # (a worker that returns waits for the agent to read its value: it never does here)
@@ -222,6 +243,73 @@ class Host:
                 h.flush()
             os._exit(self.status)
         return self.summary
+
+    # -- the hosts watch each other: a lost node records no deaths of its own ----------------------
+    def _beat(self) -> None:
+        """This host's heartbeat, and its fence: a host declared lost (it stalled past LOST_S) ends
+        its processes at once, the ranks the others are replacing among them."""
+        store, _ = connect(self.s.timeout_s)
+        roster = Roster(store, self.world, self.s.timeout_s)
+        while not self._done.wait(BEAT_S):
+            try:
+                roster.beat(self.id)
+                lost = roster.lost(self.id)
+            except Exception:  # the store is gone (its node): nothing left to beat for
+                return
+            if lost:
+                log.error("host %d was declared lost (its heartbeat stood still %gs): ending its processes",
+                          self.id, LOST_S)  # fmt: skip
+                for pid in list(self.children):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                for h in logging.getLogger().handlers:
+                    h.flush()
+                os._exit(1)
+
+    def _watch_hosts(self) -> None:
+        """The next host in the ring: when its heartbeat stands still for LOST_S, its node is lost.
+        The first host to see it records the deaths of the ranks it held and decides in its place
+        (its spares are never handed out); a new spare is started here."""
+        store, _ = connect(self.s.timeout_s)
+        roster = Roster(store, self.world, self.s.timeout_s)
+        seen: dict[int, tuple[int, float]] = {}  # a host's last count, and since when
+        while not self._done.wait(BEAT_S):
+            try:
+                if self.stopping or roster.closed():
+                    continue
+                w = roster.watched(self.id, self.world)
+                n = roster.beats(w) if w is not None else 0
+            except Exception:
+                return
+            now = time.monotonic()
+            if w is None or n == 0 or seen.get(w, (None,))[0] != n:  # (0: not started yet)
+                seen[w] = (n, now)
+                continue
+            if now - seen[w][1] >= LOST_S and roster.declare_lost(w, self.id):
+                self._host_lost(roster, w, now - seen[w][1])
+
+    def _host_lost(self, roster: Roster, w: int, silent_s: float) -> None:
+        detected = time.time()
+        gen = roster.generation()
+        ranks = roster.ranks_of(w)
+        cause = f"node lost: host {w}'s heartbeat stood still {silent_s:.1f}s"
+        log.warning("host %d: host %d is lost (ranks %s with it; seen %.1fs without a heartbeat)", self.id, w,
+                    ranks, silent_s)  # fmt: skip
+        if not ranks:  # spares only: they are gone with it, never handed out
+            return
+        if max(roster.death(gen, r, cause) for r in ranks) > 1:
+            decision = roster.abort(gen, "two ranks lost at once")
+        else:
+            holders = self.strategy.holders(ranks[0], self.world)
+            decision = roster.decide(gen, ranks[0], cause, detected, holders)
+        plan = decision.get("plan")
+        if plan is not None and plan["gen"] == gen + 1:
+            if not self.stopping:
+                self.start(None, after=f"gen{plan['gen']}/mark/loader_ready/{plan['rank']}")  # the next spare
+            return
+        log.warning("ranks %s lost with host %d; no in-process recovery: %s", ranks, w, decision.get("abort"))
 
     def _ended_normally(self) -> bool:
         """After a stop signal, with every child gone without an error: did the run end (a notice:
@@ -293,6 +381,62 @@ def host(c, ctx, s: Spares) -> dict | None:
     h = Host(c, ctx, s, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
              int(env["LOCAL_WORLD_SIZE"]))  # fmt: skip
     return h.run()
+
+
+def under_agent(c, ctx, s: Spares) -> dict | None:
+    """A torchrun worker with spares: the host of its rank runs in a process of its own, forked from
+    a clean forkserver (this process ran the job's preparation: on rank 0 it holds the run lock, its
+    heartbeat thread, the MLflow run; its children must not inherit that). This one waits for it,
+    passes on the stop signals, and fails as the host did, so that the agent restarts as before."""
+    import multiprocessing
+
+    from goodput.run.launch import preload_forkserver
+
+    preload_forkserver()
+    mp = multiprocessing.get_context("forkserver")
+    reader, writer = mp.Pipe(duplex=False)
+    p = mp.Process(target=_hosted, args=(c, ctx, s, writer), name=f"goodput-host{os.environ['RANK']}")
+    p.start()
+    writer.close()
+
+    def forward(signum, frame) -> None:
+        try:
+            os.kill(p.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in PREEMPT_SIGNALS}
+    try:
+        summary = reader.recv() if _readable(reader) else None
+        p.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if p.exitcode:
+        raise HostFailed(f"the host of rank {os.environ['RANK']} ended with status {p.exitcode} (its log "
+                         "says why); the agent restarts the group from the rescue")  # fmt: skip
+    return summary
+
+
+class HostFailed(RuntimeError):
+    pass
+
+
+def _readable(conn) -> bool:
+    """Blocks until the host sent its result or ended without one."""
+    try:
+        return conn.poll(None)
+    except (EOFError, OSError):
+        return False
+
+
+def _hosted(c, ctx, s: Spares, conn) -> None:
+    from goodput.data.loader import die_with_parent
+
+    die_with_parent(0)  # the agent stopping its worker stops the host (and the host its children)
+    summary = host(c, ctx, s)  # (a host that fails exits with the status here)
+    conn.send(summary)
+    conn.close()
 
 
 def _child(
