@@ -63,7 +63,7 @@ def launch(c: Config, ctx: RunContext) -> dict | None:
     par = c.parallel
     spare = spares.settings(c)  # parallel.spares (None: none, or none can help here)
     if external_world() and spare is not None:  # torchrun: this worker hosts its rank and spares
-        summary = spares.under_agent(c, ctx, spare)
+        summary = spares.under_agent(c, ctx, spare, preload_forkserver)
     elif external_world() or (par.nproc_per_node == 1 and par.max_restarts == 0):
         summary = worker(c, ctx)
     else:

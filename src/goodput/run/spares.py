@@ -383,16 +383,15 @@ def host(c, ctx, s: Spares) -> dict | None:
     return h.run()
 
 
-def under_agent(c, ctx, s: Spares) -> dict | None:
+def under_agent(c, ctx, s: Spares, preload) -> dict | None:
     """A torchrun worker with spares: the host of its rank runs in a process of its own, forked from
     a clean forkserver (this process ran the job's preparation: on rank 0 it holds the run lock, its
     heartbeat thread, the MLflow run; its children must not inherit that). This one waits for it,
-    passes on the stop signals, and fails as the host did, so that the agent restarts as before."""
+    passes on the stop signals, and fails as the host did, so that the agent restarts as before.
+    `preload`: what the forkserver imports before it forks (goodput.run.launch.preload_forkserver)."""
     import multiprocessing
 
-    from goodput.run.launch import preload_forkserver
-
-    preload_forkserver()
+    preload()
     mp = multiprocessing.get_context("forkserver")
     reader, writer = mp.Pipe(duplex=False)
     p = mp.Process(target=_hosted, args=(c, ctx, s, writer), name=f"goodput-host{os.environ['RANK']}")
