@@ -202,7 +202,7 @@ def test_a_host_whose_heartbeat_stands_still_is_declared_lost_and_its_rank_repla
     r = _roster(store, world=2)
     host = _host(tcp.port, 0, 2)
     started = []
-    host.start = lambda rank, after=None: started.append((rank, after))
+    host.start = lambda rank, after=None, roster=None: started.append((rank, after))
     r.place_rank(0, 0)
     r.place_rank(1, 1)
     spare = r.member()
@@ -242,7 +242,7 @@ def test_a_lost_node_that_held_two_ranks_falls_back(tcp, store, monkeypatch):
     r = _roster(store, world=3)
     host = _host(tcp.port, 0, 3)
     started = []
-    host.start = lambda rank, after=None: started.append(rank)
+    host.start = lambda rank, after=None, roster=None: started.append(rank)
     for rank, h in [(0, 0), (1, 1), (2, 1)]:
         r.place_rank(rank, h)
     spare = _spare(r)
@@ -251,6 +251,35 @@ def test_a_lost_node_that_held_two_ranks_falls_back(tcp, store, monkeypatch):
     host._host_lost(r, 1, 5.0)
     assert r.decision(0) == {"abort": "two ranks lost at once"}
     assert store.add("gen0/dead", 0) == 2 and not store.check([Roster.assignment(spare)]) and not started
+
+
+def test_a_rank_whose_host_was_declared_lost_does_not_join_as_a_survivor(tcp, store, monkeypatch):
+    """A stall, not a death: rank 1's host was declared lost and a plan hands rank 1 to a spare.
+    Rank 1 itself, alive, reads that plan when its collective fails: it falls back (its host's
+    fence ends it) instead of joining the new group as rank 1 beside the spare."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import goodput.run.spares as rs
+
+    monkeypatch.setattr(rs, "_prefix", lambda: "goodput/restart0/spares/")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(tcp.port))
+    r = _roster(store, world=2)
+    spare = _spare(r)
+    r.report(0, 0, 4)
+    r.death(0, 1, "node lost")
+    assert r.decide(0, 1, "node lost", 0.0)["plan"]["spare"] == spare
+    rewound = []
+    t = SimpleNamespace(
+        dist=SimpleNamespace(rank=1),
+        rescue=SimpleNamespace(noted=lambda: (4, None), rewind=lambda: rewound.append(1)),
+        ckpt=SimpleNamespace(saving=lambda: False),
+        watchdog=SimpleNamespace(phase=lambda what: contextlib.nullcontext()),
+    )
+    member = rs.Member(rs.Spares(1, 5.0), member=9, pipe=-1, world=2, waiting=False)
+    assert member.recover(t, RuntimeError("gloo/transport: Connection closed by peer")) is False
+    assert not rewound and member.gen == 0
 
 
 def _fenced_host(port: int, sleeper: int) -> None:

@@ -156,19 +156,19 @@ class Host:
         self._forking = threading.Lock()  # a fork and its entry in `children`, against the wait loop
         self._done = threading.Event()
 
-    def start(self, rank: int | None, after: str | None = None) -> None:
+    def start(self, rank: int | None, after: str | None = None, roster: Roster | None = None) -> None:
         """Fork one child: the process of `rank`, or a spare (None); one that replaces a spare taken
         builds `after` that key is in the store (the taken spare's first step: the build would take
-        the CPU from the recovery)."""
+        the CPU from the recovery). `roster`: the calling thread's (a store connection per thread)."""
         with self._forking:
-            self._fork(rank, after)
+            self._fork(rank, after, roster or self.roster)
 
-    def _fork(self, rank: int | None, after: str | None) -> None:
-        member = self.roster.member()
+    def _fork(self, rank: int | None, after: str | None, roster: Roster) -> None:
+        member = roster.member()
         if rank is None:
-            self.roster.place_spare(member, self.id)
+            roster.place_spare(member, self.id)
         else:
-            self.roster.place_rank(rank, self.id)
+            roster.place_rank(rank, self.id)
         r, w = os.pipe()
         local = self.local_rank if rank is not None else self.local_world + self._spare_slot
         if rank is None:
@@ -306,8 +306,8 @@ class Host:
             decision = roster.decide(gen, ranks[0], cause, detected, holders)
         plan = decision.get("plan")
         if plan is not None and plan["gen"] == gen + 1:
-            if not self.stopping:
-                self.start(None, after=f"gen{plan['gen']}/mark/loader_ready/{plan['rank']}")  # the next spare
+            if not self.stopping:  # the next spare
+                self.start(None, after=f"gen{plan['gen']}/mark/loader_ready/{plan['rank']}", roster=roster)
             return
         log.warning("ranks %s lost with host %d; no in-process recovery: %s", ranks, w, decision.get("abort"))
 
@@ -546,6 +546,9 @@ class Member:
                 log.warning("rank %d: no in-process recovery (%s)", rank, decision["abort"])
                 return False
             plan = decision["plan"]
+            if plan["rank"] == rank:  # this rank's host was declared lost (a stall): its fence ends it
+                log.warning("rank %d: declared lost with its host; a spare takes its place", rank)
+                return False
             traceback.clear_frames(e.__traceback__)  # the failed step's tensors: not kept (its text is)
             try:
                 t.rescue.rewind()  # what the step in flight changed (its batch is delivered again)
