@@ -282,6 +282,47 @@ def test_a_rank_whose_host_was_declared_lost_does_not_join_as_a_survivor(tcp, st
     assert not rewound and member.gen == 0
 
 
+@pytest.mark.parametrize("ends", ["left", "closed"])
+def test_a_host_that_ended_its_part_or_a_run_that_is_over_is_not_a_lost_node(tcp, store, monkeypatch, ends):
+    """Host 1 beats, then stops: because it ended its part (its processes are done) or because the
+    run is over. Past LOST_S, host 0's watcher declares nothing and records no death."""
+    import goodput.run.spares as rs
+
+    monkeypatch.setattr(rs, "LOST_S", 0.4)
+    monkeypatch.setattr(rs, "_prefix", lambda: "goodput/restart0/spares/")
+    r = _roster(store, world=2)
+    host = _host(tcp.port, 0, 2)
+    r.place_rank(1, 1)
+    watcher = threading.Thread(target=host._watch_hosts, daemon=True)
+    watcher.start()
+    try:
+        for _ in range(3):
+            r.beat(1)
+            time.sleep(0.1)
+        r.leave(1) if ends == "left" else r.close("the run is over")
+        time.sleep(1.5)
+        assert not r.lost(1) and not store.check(["gen0/dead"])
+    finally:
+        host._done.set()
+        watcher.join(5)
+
+
+def test_a_failed_host_under_torchrun_fails_its_worker_naming_the_status():
+    """The torchrun worker waits for its host process: one that exits 3 without a result (a host
+    that fell back) raises HostFailed with that status, not the pipe's EOFError."""
+    import multiprocessing as mp
+
+    from goodput.run.spares import HostFailed, _result
+
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=os._exit, args=(3,))
+    p.start()
+    writer.close()
+    with pytest.raises(HostFailed, match="the host of rank 1 ended with status 3"):
+        _result(p, reader, "1")
+
+
 def _fenced_host(port: int, sleeper: int) -> None:
     import goodput.run.spares as rs
 
@@ -289,6 +330,32 @@ def _fenced_host(port: int, sleeper: int) -> None:
     h = _host(port, 1, 2)
     h.children = {sleeper: None}
     h._beat()
+
+
+def test_a_host_that_loses_the_store_while_the_run_is_on_ends_its_processes():
+    """Silent, it would be declared lost by the others: it fences itself as if it had been."""
+    import multiprocessing as mp
+    import subprocess
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=2), wait_for_workers=False)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    proc = mp.get_context("fork").Process(target=_fenced_host, args=(server.port, sleeper.pid))
+    try:
+        proc.start()
+        r = _roster(dist.PrefixStore("goodput/restart0/spares/", server), world=2)
+        deadline = time.monotonic() + 10
+        while r.beats(1) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.beats(1) >= 2 and proc.is_alive()
+        del r, server  # the store's process (its node) is gone
+        proc.join(15)
+        assert proc.exitcode == 1
+        assert sleeper.wait(5) == -9
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        if sleeper.poll() is None:
+            sleeper.kill()
 
 
 def test_a_host_declared_lost_that_still_lives_ends_its_processes(tcp, store):
@@ -654,6 +721,17 @@ def test_spares_are_refused_or_left_out_where_they_cannot_help(monkeypatch, capl
     caplog.clear()
     assert settings(par("goodput.parallel.HSDP", nproc=2, collective_s=2.0, shard_size=2)) == Spares(1, 5.0)
     assert "no survivor holds" not in caplog.text  # 4 ranks over the nodes: 2 replica groups
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # two nodes: a lost one is declared after LOST_S
+    assert settings(par("goodput.parallel.DDP")) == Spares(1, 5.0)
+    assert "recovery_timeout_s=5s is not above that, so its rank always takes the restart path" in caplog.text
+    wide = par("goodput.parallel.DDP")
+    wide.parallel.recovery_timeout_s = 30.0
+    assert settings(wide) == Spares(1, 30.0)
+    assert "a node lost without closing its connections (power, network)" in caplog.text
+    caplog.clear()
+    wide.parallel.collective_timeout_s = 20.0
+    settings(wide)
+    assert "power, network" not in caplog.text
 
 
 def test_a_member_that_never_joins_the_new_group_costs_the_bound_not_a_hang(tcp):

@@ -95,6 +95,21 @@ def settings(c) -> Spares | None:
             "recovery falls back to the restart. Lower parallel.collective_timeout_s (above the slowest "
             "step) to keep it in-process", n, world, collective_s, timeout_s,
         )  # fmt: skip
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # torchrun on several nodes
+        if timeout_s <= LOST_S:
+            log.warning(
+                "parallel.spares=%d on several nodes: a lost node is declared lost after %gs without its "
+                "heartbeat; parallel.recovery_timeout_s=%gs is not above that, so its rank always takes the "
+                "restart path", n, LOST_S, timeout_s,
+            )  # fmt: skip
+        elif collective_s >= timeout_s - LOST_S and not torch.cuda.is_available():
+            log.warning(
+                "parallel.spares=%d on several nodes on CPU (gloo): a node lost without closing its "
+                "connections (power, network) is noticed by a survivor's collective only after "
+                "parallel.collective_timeout_s=%gs (a gloo collective cannot be aborted), not within "
+                "parallel.recovery_timeout_s=%gs less the %gs a lost node takes to be declared: such a loss "
+                "takes the restart path", n, collective_s, timeout_s, LOST_S,
+            )  # fmt: skip
     return Spares(n, timeout_s)
 
 
@@ -247,31 +262,41 @@ class Host:
     # -- the hosts watch each other: a lost node records no deaths of its own ----------------------
     def _beat(self) -> None:
         """This host's heartbeat, and its fence: a host declared lost (it stalled past LOST_S) ends
-        its processes at once, the ranks the others are replacing among them."""
+        its processes at once, the ranks the others are replacing among them. So does a host that
+        loses the store while the run is on: silent, it is declared lost by the others."""
         store, _ = connect(self.s.timeout_s)
         roster = Roster(store, self.world, self.s.timeout_s)
+        over = False
         while not self._done.wait(BEAT_S):
             try:
                 roster.beat(self.id)
                 lost = roster.lost(self.id)
-            except Exception:  # the store is gone (its node): nothing left to beat for
-                return
+                over = over or roster.closed()
+            except Exception as e:
+                if over:  # the store's node ended its part after the run: nothing to beat for
+                    return
+                lost = f"the store is unreachable ({_short(e)})"
             if lost:
-                log.error("host %d was declared lost (its heartbeat stood still %gs): ending its processes",
-                          self.id, LOST_S)  # fmt: skip
-                for pid in list(self.children):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                for h in logging.getLogger().handlers:
-                    h.flush()
+                why = lost if isinstance(lost, str) else f"its heartbeat stood still {LOST_S:g}s"
+                log.error("host %d was declared lost (%s): ending its processes", self.id, why)
+                self._end_children()
                 os._exit(1)
+
+    def _end_children(self) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for h in logging.getLogger().handlers:
+            h.flush()
 
     def _watch_hosts(self) -> None:
         """The next host in the ring: when its heartbeat stands still for LOST_S, its node is lost.
         The first host to see it records the deaths of the ranks it held and decides in its place
-        (its spares are never handed out); a new spare is started here."""
+        (its spares are never handed out); a new spare is started here. This thread never ends
+        while the host has children: a child forked here dies with it (PR_SET_PDEATHSIG, which the
+        training processes set, fires when the forking *thread* ends), so errors are retried."""
         store, _ = connect(self.s.timeout_s)
         roster = Roster(store, self.world, self.s.timeout_s)
         seen: dict[int, tuple[int, float]] = {}  # a host's last count, and since when
@@ -281,14 +306,15 @@ class Host:
                     continue
                 w = roster.watched(self.id, self.world)
                 n = roster.beats(w) if w is not None else 0
-            except Exception:
-                return
-            now = time.monotonic()
-            if w is None or n == 0 or seen.get(w, (None,))[0] != n:  # (0: not started yet)
-                seen[w] = (n, now)
-                continue
-            if now - seen[w][1] >= LOST_S and roster.declare_lost(w, self.id):
-                self._host_lost(roster, w, now - seen[w][1])
+                now = time.monotonic()
+                if w is None or n == 0 or seen.get(w, (None,))[0] != n:  # (0: not started yet)
+                    seen[w] = (n, now)
+                    continue
+                if now - seen[w][1] >= LOST_S and roster.declare_lost(w, self.id):
+                    self._host_lost(roster, w, now - seen[w][1])
+            except Exception as e:  # (the store's node is gone: the beat thread fences this host)
+                log.warning("host %d: watching the next host failed: %s", self.id, _short(e))
+                seen.clear()
 
     def _host_lost(self, roster: Roster, w: int, silent_s: float) -> None:
         detected = time.time()
@@ -406,27 +432,28 @@ def under_agent(c, ctx, s: Spares, preload) -> dict | None:
 
     previous = {sig: signal.signal(sig, forward) for sig in PREEMPT_SIGNALS}
     try:
-        summary = reader.recv() if _readable(reader) else None
-        p.join()
+        return _result(p, reader, os.environ["RANK"])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if p.exitcode:
-        raise HostFailed(f"the host of rank {os.environ['RANK']} ended with status {p.exitcode} (its log "
-                         "says why); the agent restarts the group from the rescue")  # fmt: skip
-    return summary
 
 
 class HostFailed(RuntimeError):
     pass
 
 
-def _readable(conn) -> bool:
-    """Blocks until the host sent its result or ended without one."""
+def _result(p, reader, rank: str) -> dict | None:
+    """What the host process `p` sent on `reader` once it ended: its summary (None: not rank 0's
+    host), or HostFailed with its exit status (a host that fails exits without sending)."""
     try:
-        return conn.poll(None)
+        summary = reader.recv()
     except (EOFError, OSError):
-        return False
+        summary = None
+    p.join()
+    if p.exitcode:
+        raise HostFailed(f"the host of rank {rank} ended with status {p.exitcode} (its log says why); "
+                         "the agent restarts the group from the rescue")  # fmt: skip
+    return summary
 
 
 def _hosted(c, ctx, s: Spares, conn) -> None:
