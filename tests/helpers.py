@@ -95,11 +95,11 @@ def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, exp
     return p, latest_summary(root)
 
 
-def start_nodes(root, run_dir, logs: list, *overrides: str) -> list[subprocess.Popen]:
+def start_nodes(root, run_dir, logs: list, *overrides: str, agent: tuple = ()) -> list[subprocess.Popen]:
     """A job of len(logs) "nodes" on this machine, left running: torchrun agents with a c10d
     rendezvous on loopback, one rank each of scripts/train.py (experiment=smoke, every node the same
-    hydra.run.dir), each in a session of its own printing to its open file in `logs`. Node 0 hosts
-    the rendezvous's store: another node can be lost without taking it."""
+    hydra.run.dir), each in a session of its own printing to its open file in `logs`; `agent`: more
+    torchrun options. Node 0 hosts the rendezvous's store."""
     import socket
 
     with socket.socket() as sock:
@@ -110,7 +110,7 @@ def start_nodes(root, run_dir, logs: list, *overrides: str) -> list[subprocess.P
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(logs)),
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "goodput-nodes", "--rdzv-conf", f"is_host={str(i == 0).lower()}",
+            "--rdzv-id", "goodput-nodes", "--rdzv-conf", f"is_host={str(i == 0).lower()}", *agent,
             TRAIN, "experiment=smoke", f"paths.root={root}", f"hydra.run.dir={run_dir}", *overrides,
         ]  # fmt: skip
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=f, stderr=subprocess.STDOUT,

@@ -144,9 +144,9 @@ def flight_recorder_env(trace_dir: str) -> None:
 
 
 def _store(rank: int, world: int, timeout_s: float):
-    """The env:// store, with keys prefixed by the elastic restart count. The elastic agent keeps
-    one store for the whole job; without a prefix, workers of restart k read the addresses that the
-    dead workers of restart k-1 published there and hang connecting to them."""
+    """The env:// store, with keys prefixed by the round of workers (job_round). The elastic agent
+    keeps one store for the whole job; without a prefix, workers of restart k read the addresses
+    that the dead workers of restart k-1 published there and hang connecting to them."""
     import torch.distributed as dist
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -159,7 +159,62 @@ def _store(rank: int, world: int, timeout_s: float):
         timeout=timedelta(seconds=timeout_s),
         multi_tenant=not agent_store,
     )
-    return dist.PrefixStore(f"goodput/restart{restart_round()}", store)
+    return dist.PrefixStore(f"goodput/restart{job_round(store, rank, world, timeout_s)}", store)
+
+
+ROUND_ENV = "GOODPUT_ROUND"  # the round a host agreed on, for the processes it forks
+
+
+def job_round(store, rank: int, world: int, timeout_s: float) -> int:
+    """Which start of the job's workers this process belongs to, the same number in every one of
+    them: the key prefix of this round's store keys. On one node, the agent's restart count. On
+    several (torchrun), the agents' counts differ: one counts a restart only where its own worker
+    failed, not where it restarted because another node re-joined; so there the round is agreed on
+    the store (agree_round). A process forked by a host that agreed already reads it from ROUND_ENV."""
+    if ROUND_ENV in os.environ:
+        return int(os.environ[ROUND_ENV])
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return restart_round()
+    return agree_round(store, rank, world, timeout_s)
+
+
+def agree_round(store, rank: int, world: int, timeout_s: float, poll_s: float = 0.01) -> int:
+    """A round number that every live process of ranks 0..world-1 gets, new at each start, whatever
+    the store holds from earlier starts (their processes are dead: an agent stops its workers before
+    it re-joins). Each process says hello under its rank with a fresh nonce; rank 0 takes the next
+    number and answers every nonce it sees until each rank acknowledged this round (a stale hello of
+    a dead process is answered too, and nobody reads it). Bounded by `timeout_s`."""
+    import uuid
+
+    nonce = uuid.uuid4().hex
+    base = "goodput/rounds"
+    store.set(f"{base}/hello/{rank}", nonce)
+    if rank != 0:
+        store.wait([f"{base}/welcome/{nonce}"], timedelta(seconds=timeout_s))
+        n = int(store.get(f"{base}/welcome/{nonce}"))
+        store.set(f"{base}/{n}/ack/{rank}", "1")
+        return n
+    import time
+
+    n = store.add(f"{base}/n", 1) - 1
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, world))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{base}/{n}/ack/{r}"]):
+                pending.discard(r)
+                continue
+            key = f"{base}/hello/{r}"
+            said = store.get(key) if store.check([key]) else None
+            if said is not None and answered.get(r) != said:
+                store.set(f"{base}/welcome/{said.decode()}", str(n))
+                answered[r] = said
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"rank(s) {sorted(pending)} did not join round {n} of the job's workers "
+                               f"within {timeout_s:g}s")  # fmt: skip
+        time.sleep(poll_s if pending else 0)
+    return n
 
 
 def free_port() -> int:

@@ -177,6 +177,41 @@ def test_two_node_rendezvous_on_one_machine(tmp_path, ddp_reference):
     assert s["sample_order_sha256"] == ddp_reference["sample_order_sha256"]
 
 
+def test_two_nodes_restart_together_though_their_agents_count_restarts_apart(tmp_path):
+    """torchrun on two "nodes", --max-restarts 1: rank 1 killed after step 2 while rank 0 sleeps in
+    its step. Node 1's agent restarts its worker (a restart it counts) and re-joins; node 0's agent
+    restarts its own because a node is waiting (one it does not count): the workers' restart counts
+    differ. The round they agree on the store keeps the new workers off the dead ones' keys: one
+    restart, resumed from the rescue of step 2, no gloo connection to a dead worker's address (with
+    the restart count as the key prefix, rank 0 read the dead rank 1's address and failed again)."""
+    import signal
+    import time
+
+    from helpers import start_nodes
+
+    root = tmp_path / "nodes"
+    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
+    job = ["parallel=ddp", "trainer.max_steps=5", "checkpoint.every_n_steps=4", "fault.slow_rank=0",
+           "fault.slow_seconds=5", "fault.rank=1", "fault.kill_at_step=2",
+           "parallel.init_timeout_s=60"]  # fmt: skip
+    nodes = start_nodes(root, root / "runs" / "two-node", logs, *job, agent=("--max-restarts", "1"))
+    try:
+        deadline = time.monotonic() + 240
+        while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [n.poll() for n in nodes] == [0, 0], (tmp_path / "node0.log").read_text()[-4000:]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
+    out = "".join((tmp_path / f"node{i}.log").read_text() for i in range(2))
+    assert "connectFullMesh failed" not in out
+    s = json.loads((root / "runs" / "two-node" / "summary.json").read_text())
+    assert s["finished"] and s["restarts"] == 1 and s["resumed_from_steps"] == [2]
+
+
 def test_multirun_sweep_over_parallel(tmp_path):
     run_train(tmp_path, "-m", "parallel=single,ddp", "checkpoint=dcp_async")
     files = glob.glob(f"{tmp_path}/multirun/**/summary.json", recursive=True)

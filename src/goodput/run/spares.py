@@ -124,9 +124,10 @@ def connect(timeout_s: float):
 
 
 def _prefix() -> str:
+    from goodput.parallel import ROUND_ENV
     from goodput.resilience.accounting import restart_round
 
-    return prefix(restart_round())
+    return prefix(int(os.environ.get(ROUND_ENV, restart_round())))  # (ROUND_ENV: set by the host)
 
 
 # -- the host: one elastic worker, its children -------------------------------------------------
@@ -403,7 +404,16 @@ def host(c, ctx, s: Spares) -> dict | None:
     from goodput import logs
 
     env = os.environ
-    logs.setup(f"host{env['LOCAL_RANK']}")  # (its children set their own: a rank's, a spare's)
+    logs.setup(f"host{env['RANK']}")  # (its children set their own: a rank's, a spare's)
+    if int(env.get("GROUP_WORLD_SIZE", "1")) > 1:  # several nodes: the round every host agrees on
+        import torch.distributed as dist
+
+        from goodput.parallel import ROUND_ENV, agree_round
+
+        bound = c.parallel.init_timeout_s
+        base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False,
+                             timeout=timedelta(seconds=bound))  # fmt: skip
+        env[ROUND_ENV] = str(agree_round(base, int(env["RANK"]), int(env["WORLD_SIZE"]), bound))
     h = Host(c, ctx, s, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
              int(env["LOCAL_WORLD_SIZE"]))  # fmt: skip
     return h.run()
