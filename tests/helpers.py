@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -95,27 +96,47 @@ def run_train(root, *overrides: str, expect_rc: int = 0, timeout: int = 300, exp
     return p, latest_summary(root)
 
 
-def start_nodes(root, run_dir, logs: list, *overrides: str, agent: tuple = ()) -> list[subprocess.Popen]:
-    """A job of len(logs) "nodes" on this machine, left running: torchrun agents with a c10d
+@contextmanager
+def nodes_running(root, run_dir, log_dir, *overrides: str, agent: tuple = (), nodes: int = 2):
+    """A job of `nodes` "nodes" on this machine, left running: torchrun agents with a c10d
     rendezvous on loopback, one rank each of scripts/train.py (experiment=smoke, every node the same
-    hydra.run.dir), each in a session of its own printing to its open file in `logs`; `agent`: more
-    torchrun options. Node 0 hosts the rendezvous's store."""
+    hydra.run.dir), each in a session of its own printing to `log_dir`/node<i>.log; `agent`: more
+    torchrun options. Node 0 hosts the rendezvous's store. Yields the agents' processes; whatever
+    is still running at the end is SIGKILLed."""
+    import signal
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    logs = [open(Path(log_dir) / f"node{i}.log", "w") for i in range(nodes)]  # noqa: SIM115  # closed below
     procs = []
-    for i, f in enumerate(logs):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(logs)),
-            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "goodput-nodes", "--rdzv-conf", f"is_host={str(i == 0).lower()}", *agent,
-            TRAIN, "experiment=smoke", f"paths.root={root}", f"hydra.run.dir={run_dir}", *overrides,
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=f, stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
-    return procs
+    try:
+        for i, f in enumerate(logs):
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "goodput-nodes", "--rdzv-conf", f"is_host={str(i == 0).lower()}", *agent,
+                TRAIN, "experiment=smoke", f"paths.root={root}", f"hydra.run.dir={run_dir}", *overrides,
+            ]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=entry_env(), stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
+
+
+def await_step(root, procs, lo: int, hi: int, log: Path, timeout: float = 240) -> None:
+    """Until rank 0's first attempt record says a step in [lo, hi] is done (every agent alive)."""
+    deadline = time.monotonic() + timeout
+    while not lo <= attempt_step(root) <= hi:
+        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "training did not get under way in time"
+        time.sleep(0.02)
 
 
 def kill_node(pid: int) -> None:

@@ -184,28 +184,20 @@ def test_two_nodes_restart_together_though_their_agents_count_restarts_apart(tmp
     differ. The round they agree on the store keeps the new workers off the dead ones' keys: one
     restart, resumed from the rescue of step 2, no gloo connection to a dead worker's address (with
     the restart count as the key prefix, rank 0 read the dead rank 1's address and failed again)."""
-    import signal
     import time
 
-    from helpers import start_nodes
+    from helpers import nodes_running
 
     root = tmp_path / "nodes"
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
     job = ["parallel=ddp", "trainer.max_steps=5", "checkpoint.every_n_steps=4", "fault.slow_rank=0",
            "fault.slow_seconds=5", "fault.rank=1", "fault.kill_at_step=2",
            "parallel.init_timeout_s=60"]  # fmt: skip
-    nodes = start_nodes(root, root / "runs" / "two-node", logs, *job, agent=("--max-restarts", "1"))
-    try:
+    run_dir, restarts = root / "runs" / "two-node", ("--max-restarts", "1")
+    with nodes_running(root, run_dir, tmp_path, *job, agent=restarts) as nodes:
         deadline = time.monotonic() + 240
         while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert [n.poll() for n in nodes] == [0, 0], (tmp_path / "node0.log").read_text()[-4000:]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
     out = "".join((tmp_path / f"node{i}.log").read_text() for i in range(2))
     assert "connectFullMesh failed" not in out
     s = json.loads((root / "runs" / "two-node" / "summary.json").read_text())

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 
 import pytest
-from helpers import attempt_step, ckpt_dir, final_weights, kill_node, run_train, start_nodes, weight_gap
+from helpers import await_step, ckpt_dir, final_weights, kill_node, nodes_running, run_train, weight_gap
 
 from goodput.checkpoint.commits import Commits
 from goodput.resilience.accounting import Rescues
@@ -91,22 +89,10 @@ def test_a_lost_node_is_rescued_by_the_other_and_the_job_resumes_on_the_one_left
     of a one-node job that lost rank 1 at the same step and resumed the same way, bit for bit."""
     ref_root, root = tmp_path / "ref", tmp_path / "lost"
     _, ref = run_train(ref_root, "parallel=ddp", *SLOW)
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
-    nodes = start_nodes(root, root / "runs" / "two-node", logs, "parallel=ddp", *SLOW)
-    try:
-        deadline = time.monotonic() + 240
-        while not 13 <= attempt_step(root) <= 16:  # mid-interval: past the step-10 commit, before 20
-            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "training did not get under way in time"
-            time.sleep(0.02)
+    with nodes_running(root, root / "runs" / "two-node", tmp_path, "parallel=ddp", *SLOW) as nodes:
+        await_step(root, nodes, 13, 16, tmp_path / "node0.log")  # past the step-10 commit, before 20
         kill_node(nodes[1].pid)
         nodes[0].wait(timeout=120)
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
     out = (tmp_path / "node0.log").read_text()
     assert "rescue: rank 0 wrote shard 0/1 of step" in out, out[-4000:]
     rec = Commits(Storage(str(ckpt_dir(root)))).committed()[0]

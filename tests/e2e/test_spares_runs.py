@@ -127,35 +127,22 @@ def test_a_lost_node_is_replaced_by_a_spare_on_the_other_node_without_a_restart(
     step rank 0 stands at. No restart, and the uninterrupted one-node job's model and sample order,
     bit for bit. (torch's agent on the node left then waits at its exit barrier for the lost agent,
     300 s: the test ends it once the run is done.)"""
-    import os
-    import signal
     import time
 
-    from helpers import attempt_step, kill_node, start_nodes
+    from helpers import await_step, kill_node, nodes_running
 
     root = tmp_path / "nodes"
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
-    nodes = start_nodes(root, root / "runs" / "two-node", logs, *BASE, "parallel.spares=1")
-    try:
-        deadline = time.monotonic() + 240
-        while not 13 <= attempt_step(root) <= 16:  # both spares waiting (built before step 1)
-            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "training did not get under way in time"
-            time.sleep(0.02)
+    with nodes_running(root, root / "runs" / "two-node", tmp_path, *BASE, "parallel.spares=1") as nodes:
+        await_step(root, nodes, 13, 16, tmp_path / "node0.log")  # both spares waiting (built before step 1)
         # which node runs rank 0 is the rendezvous's choice
         keep = next(i for i in range(2) if " rank0 " in (tmp_path / f"node{i}.log").read_text())
         kept = tmp_path / f"node{keep}.log"
         kill_node(nodes[1 - keep].pid)
+        deadline = time.monotonic() + 120
         while "done: 50 steps" not in kept.read_text():
             assert nodes[keep].poll() is None, kept.read_text()[-4000:]
-            assert time.monotonic() < deadline + 120, kept.read_text()[-4000:]
+            assert time.monotonic() < deadline, kept.read_text()[-4000:]
             time.sleep(0.2)
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
     text = kept.read_text()
     with open(root / "runs" / "two-node" / "summary.json") as f:
         s = json.load(f)
